@@ -1,0 +1,46 @@
+"""Kiln: compile a PyTorch model's whole training step (forward, backward, optimizer update).
+
+    import kiln
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=3e-4, weight_decay=0.01))
+    loss = step(input_ids=batch, labels=batch)
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kiln import optim
+from kiln.dialects.registry import dialects
+from kiln.errors import CaptureError, InputError, KilnError, UnsupportedError
+from kiln.runtime.step import CompiledStep
+
+__all__ = ["compile", "explain", "dialects", "optim", "CompiledStep", "KilnError", "CaptureError",
+           "UnsupportedError", "InputError"]
+__version__ = "0.1.0"
+
+
+def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Callable | None = None,
+            dialects: list[str] | None = None, max_programs: int = 8, verify: bool = False) -> CompiledStep:
+    """Compile `model`'s training step.
+
+    Args:
+        model: any nn.Module. Without `loss_fn`, `model(*args, **kwargs)` must return the loss: a scalar
+            tensor, a tuple/list led by it, or an object with `.loss` (Hugging Face ModelOutput).
+        optimizer: `kiln.optim.AdamW(...)` or `kiln.optim.SGD(...)`; its update runs inside the step.
+        loss_fn: optional `loss_fn(model, *args, **kwargs) -> loss`.
+        dialects: kernel providers in preference order (default: all, by priority); `aten` is always
+            the fallback. See `kiln.dialects`.
+        max_programs: how many input signatures (shapes/dtypes) may be compiled before step() refuses.
+        verify: run the graph verifier after every pass (slower compiles; for debugging).
+
+    Returns a `CompiledStep`: `loss = step(...)` trains one step; `step.source()`, `step.explain()`,
+    `step.state_dict()` / `step.load_state_dict()`.
+    """
+    return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
+                        verify=verify)
+
+
+def explain(step: CompiledStep, file=None) -> str:
+    """Print (and return) a table of every op of the step's latest program: phase, dialect, output."""
+    return step.explain(file=file)

@@ -1,0 +1,1 @@
+"""`kiln bench`: side-by-side training benchmarks of eager PyTorch, torch.compile and Kiln."""

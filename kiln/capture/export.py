@@ -1,0 +1,187 @@
+"""torch.export (non-strict) -> Kiln IR.
+
+PyTorch captures the forward; Kiln never traces by itself. `run_decompositions({})` gives a functional
+ATen graph that still holds the high-level ops with fast kernels (linear, layer_norm, sdpa,
+cross_entropy_loss, embedding, ...). Parameters, buffers and lifted constants become graph inputs;
+buffer mutations (BatchNorm running statistics) become the graph's `mutations`.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind, OutputKind
+
+from kiln.errors import CaptureError, KilnError, UnsupportedError
+from kiln.ir.graph import Graph, Node, Phase, Role, TensorMeta, Value
+from kiln.ops import registry
+
+# Nodes export leaves for its own runtime checks; they compute nothing.
+_DROP = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_async.msg,
+         torch.ops.aten._assert_scalar.default}
+
+
+def extract_loss(out: Any) -> torch.Tensor:
+    """The loss from what a model returns: a tensor, a tuple/list led by it, or an object with .loss."""
+    loss = out
+    if hasattr(out, "loss"):
+        loss = out.loss
+    elif isinstance(out, dict) and "loss" in out:
+        loss = out["loss"]
+    elif isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    if not isinstance(loss, torch.Tensor):
+        kind = type(out).__name__
+        hint = (" (a Hugging Face model returns loss=None when no labels are passed)"
+                if hasattr(out, "loss") else "")
+        raise UnsupportedError(f"the forward returned {kind}, not a loss tensor{hint}; return a scalar "
+                               "tensor, a tuple led by it, an object with .loss, or pass loss_fn=")
+    if loss.numel() != 1:
+        raise UnsupportedError(f"the loss must be a scalar, got shape {tuple(loss.shape)}; reduce it (e.g. .mean()) "
+                               "or pass loss_fn=")
+    if not loss.dtype.is_floating_point:
+        raise UnsupportedError(f"the loss must be a floating-point tensor, got {loss.dtype}")
+    return loss.reshape(())
+
+
+class LossModule(torch.nn.Module):
+    """model + loss as one module, so export sees parameters under `model.`."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args, **kwargs):
+        if self.loss_fn is not None:
+            return extract_loss(self.loss_fn(self.model, *args, **kwargs))
+        return extract_loss(self.model(*args, **kwargs))
+
+
+@dataclass
+class Captured:
+    graph: Graph
+    loss: Value
+    user_leaves: int            # number of flattened (args, kwargs) leaves the graph expects
+
+
+@contextlib.contextmanager
+def _training_config(model: torch.nn.Module):
+    """Hugging Face models: no KV cache while training (caches are inference state)."""
+    configs = {m.config for m in model.modules() if hasattr(getattr(m, "config", None), "use_cache")}
+    saved = [(c, c.use_cache) for c in configs]
+    try:
+        for c, _ in saved:
+            c.use_cache = False
+        yield
+    finally:
+        for c, v in saved:
+            c.use_cache = v
+
+
+def _scope(fx_node) -> str:
+    stack = fx_node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    for prefix in ("L['self'].", "L__self__."):
+        path = path.removeprefix(prefix)
+    return path.removeprefix("model.").removeprefix("model") or ""
+
+
+def _meta(val: Any) -> TensorMeta | None:
+    return TensorMeta.of(val) if isinstance(val, torch.Tensor) else None
+
+
+def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwargs: dict) -> tuple[Captured, dict]:
+    """Export model+loss on (args, kwargs). Returns the capture and {constant name: tensor}."""
+    wrapper = LossModule(model, loss_fn)
+    try:
+        with _training_config(model):
+            ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
+        ep = ep.run_decompositions({})
+    except KilnError:
+        raise
+    except Exception as e:  # export errors carry the user's stack; keep it, name the model
+        cause = e
+        while cause is not None and not isinstance(cause, KilnError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            raise cause from None
+        raise CaptureError(f"torch.export could not capture {type(model).__name__}.forward: "
+                           f"{type(e).__name__}: {_first_lines(str(e))}") from e
+    return _to_kiln(ep, model, args, kwargs)
+
+
+def _first_lines(msg: str, n: int = 12) -> str:
+    lines = msg.strip().splitlines()
+    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
+
+
+def _to_kiln(ep, model, args, kwargs) -> tuple[Captured, dict]:
+    g = Graph()
+    sig = ep.graph_signature
+    env: dict[str, Any] = {}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    constants: dict[str, torch.Tensor] = {}
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    leaf_index = 0
+    for fx, spec in zip(placeholders, sig.input_specs):
+        meta = _meta(fx.meta.get("val"))
+        target = (spec.target or "").removeprefix("model.")
+        if spec.kind is InputKind.PARAMETER:
+            role = Role.PARAM if named[target].requires_grad else Role.FROZEN
+            env[fx.name] = g.add_input(target.replace(".", "_"), meta, role, target)
+        elif spec.kind is InputKind.BUFFER:
+            env[fx.name] = g.add_input(target.replace(".", "_"), meta, Role.BUFFER, target)
+        elif spec.kind is InputKind.CONSTANT_TENSOR:
+            constants[fx.name] = ep.constants[spec.target]
+            env[fx.name] = g.add_input(fx.name, meta, Role.CONSTANT, fx.name)
+        elif spec.kind is InputKind.USER_INPUT:
+            env[fx.name] = g.add_input(fx.name, meta, Role.INPUT, str(leaf_index)) if meta is not None \
+                else fx.meta.get("val")
+            leaf_index += 1
+        else:
+            raise UnsupportedError(f"unsupported graph input kind {spec.kind} ({spec.target})")
+
+    for fx in ep.graph.nodes:
+        if fx.op != "call_function" or fx.target in _DROP:
+            continue
+        if fx.target is operator.getitem:
+            src, i = fx.args
+            env[fx.name] = env[src.name][i]
+            continue
+        if not isinstance(fx.target, torch._ops.OpOverload):
+            raise UnsupportedError(f"captured a call to {fx.target} (in {_scope(fx) or '<top>'}); Kiln handles "
+                                   "ATen ops only (data-dependent Python on tensor values is not supported)")
+        a, kw = pytree.tree_map(lambda x: env[x.name] if hasattr(x, "op") and hasattr(x, "name") else x,
+                                (fx.args, fx.kwargs))
+        vals = fx.meta.get("val")
+        outs_meta = [_meta(v) for v in vals] if isinstance(vals, (tuple, list)) else [_meta(vals)]
+        op = registry.lookup(fx.target)
+        outs = [Value(g.fresh_name(fx.name), m) for m in outs_meta]
+        node = Node(op, fx.target, tuple(a), dict(kw), outs, Phase.FORWARD, _scope(fx))
+        for v in outs:
+            v.producer = node
+        g.nodes.append(node)
+        env[fx.name] = outs if isinstance(vals, (tuple, list)) else outs[0]
+
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    results = out_node.args[0]
+    loss = None
+    for spec, res in zip(sig.output_specs, results):
+        if spec.kind is OutputKind.BUFFER_MUTATION:
+            buf = next(v for v in g.inputs if v.role is Role.BUFFER and v.source == spec.target.removeprefix("model."))
+            g.mutations.append((buf, env[res.name]))
+        elif spec.kind is OutputKind.USER_OUTPUT:
+            loss = env[res.name]
+        else:
+            raise UnsupportedError(f"the forward mutates {spec.target} ({spec.kind.name}); "
+                                   "Kiln supports in-place updates of buffers only")
+    g.outputs = [loss]
+    n_leaves = len(pytree.tree_leaves((tuple(args), dict(kwargs))))
+    return Captured(g, loss, n_leaves), constants

@@ -1,0 +1,89 @@
+"""The `aten` dialect: PyTorch's own ATen kernels. The reference and the fallback for every op.
+
+Any ATen overload without a more specific implementation runs as itself; the entries below are the
+lowerings for composite ops that the aten dialect implements with other ATen ops.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kiln.dialects.registry import dialect, lowering
+from kiln.ops.common import arg, reshape, shape
+
+aten = torch.ops.aten
+
+ATEN = dialect("aten", priority=0, devices=("cpu", "cuda", "mps", "xpu"),
+               doc="PyTorch ATen kernels: the reference implementation of every op")
+
+
+def sdpa_args(n):
+    """(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) of a scaled_dot_product_attention node."""
+    return (n.args[0], n.args[1], n.args[2], arg(n, 3, "attn_mask"), arg(n, 4, "dropout_p", 0.0),
+            arg(n, 5, "is_causal", False), n.kwargs.get("scale"), n.kwargs.get("enable_gqa", False))
+
+
+def expand_kv_heads(b, q, k, v):
+    """Grouped-query attention: repeat each K/V head for its group of query heads (B, Hkv, S, E) ->
+    (B, Hq, S, E), as explicit expand + reshape so autodiff sums the groups back."""
+    hq, hkv = shape(q)[-3], shape(k)[-3]
+    if hq == hkv:
+        return k, v
+    group = hq // hkv
+
+    def rep(t):
+        s = shape(t)
+        t = b(aten.unsqueeze.default, t, -3)                                   # (B, Hkv, 1, S, E)
+        t = b(aten.expand.default, t, s[:-2] + [group] + s[-2:])             # (B, Hkv, g, S, E)
+        return b(aten.reshape.default, t, s[:-3] + [hq] + s[-2:])            # (B, Hq, S, E)
+    return rep(k), rep(v)
+
+
+def sdpa_math(b, n):
+    """softmax(q k^T * scale + mask) v, with dropout on the probabilities, in ATen ops."""
+    q, k, v, mask, p, causal, scale, gqa = sdpa_args(n)
+    if gqa:
+        k, v = expand_kv_heads(b, q, k, v)
+    qs, ks, vs = shape(q), shape(k), shape(v)
+    L, S, E = qs[-2], ks[-2], qs[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    batch = qs[:-2]
+    q3 = reshape(b, q, [-1, L, E])
+    kt3 = b(aten.transpose.int, reshape(b, k, [-1, S, E]), 1, 2)              # (N, E, S)
+    scores = b(aten.mul.Tensor, b(aten.bmm.default, q3, kt3), scale)          # (N, L, S)
+    scores = reshape(b, scores, batch + [L, S])
+    if causal:
+        keep = b(aten.tril.default, b(aten.ones.default, [L, S], dtype=torch.bool, device=q.meta.device))
+        scores = b(aten.masked_fill.Scalar, scores, b(aten.logical_not.default, keep), float("-inf"))
+    if mask is not None:
+        if mask.meta.dtype == torch.bool:
+            scores = b(aten.masked_fill.Scalar, scores, b(aten.logical_not.default, mask), float("-inf"))
+        else:
+            scores = b(aten.add.Tensor, scores, mask)
+    probs = b(aten._softmax.default, scores, -1, False)
+    if p > 0:
+        probs = b(aten.native_dropout.default, probs, p, True)[0]
+    out = b(aten.bmm.default, reshape(b, probs, [-1, L, S]), reshape(b, v, [-1, S, shape(v)[-1]]))
+    return [reshape(b, out, batch + [L, shape(v)[-1]])]
+
+
+lowering(ATEN, aten.scaled_dot_product_attention.default, sdpa_math, name="math")
+
+
+# ---- optimizer updates: ATen's fused multi-tensor kernel where it accepts the tensors -----------
+def _fused_adamw_ok(n) -> bool:
+    param, grad = n.args[0], n.args[1]
+    ok = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    return param.meta.dtype in ok and grad.meta.dtype == param.meta.dtype and param.meta.device.type in ("cpu", "cuda")
+
+
+def _register_optimizer_kernels() -> None:
+    from kiln import optim
+    from kiln.dialects.registry import kernel
+    kernel(ATEN, optim.adamw_update, optim.adamw_update_fused, checker=_fused_adamw_ok, priority=1, name="fused")
+    kernel(ATEN, optim.adamw_update, optim.adamw_update, name="reference")
+    kernel(ATEN, optim.sgd_update, optim.sgd_update, name="reference")
+
+
+_register_optimizer_kernels()

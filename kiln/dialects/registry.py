@@ -1,0 +1,136 @@
+"""Operator dialects (after RAF): several kernel providers per op, chosen by priority and checker.
+
+A dialect is a kernel provider (ATen, PyTorch's fused attention, later Inductor, oneDNN, Triton).
+Each registers implementations of ops, of two forms:
+- a *kernel*: the callable the generated step calls for a node of that op;
+- a *lowering*: a graph rewrite that replaces the op with other ops before autodiff (e.g. sdpa ->
+  PyTorch's flash-attention kernels whose backward kernel exists; or -> math ops).
+For every node, the highest-priority implementation whose dialect is enabled, whose devices include
+the node's device, and whose checker accepts the node's concrete shapes/dtypes is used; the others
+are the fallback. `aten` implements every ATen op, so there is always one.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from kiln.errors import KilnError
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    priority: int                 # higher wins when two dialects implement an op
+    devices: tuple[str, ...]      # device types it runs on
+    doc: str
+
+
+@dataclass
+class Impl:
+    dialect: Dialect
+    target: Any                   # the op it implements (ATen overload)
+    kernel: Callable | None = None
+    lower: Callable | None = None  # lower(b, node) -> replacement values
+    checker: Callable[[Any], bool] = field(default=lambda node: True)
+    priority: int = 0             # tie-break within a dialect
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.dialect.name}:{self.name}" if self.name else self.dialect.name
+
+    def accepts(self, node) -> bool:
+        devices = {v.meta.device.type for v in node.outputs if v.meta is not None} or {"cpu"}
+        return devices <= set(self.dialect.devices) and bool(self.checker(node))
+
+
+DIALECTS: dict[str, Dialect] = {}
+_IMPLS: dict[Any, list[Impl]] = {}
+
+
+def dialect(name: str, priority: int, devices=("cpu", "cuda"), doc: str = "") -> Dialect:
+    d = Dialect(name, priority, tuple(devices), doc)
+    DIALECTS[name] = d
+    return d
+
+
+def kernel(d: Dialect, target: Any, fn: Callable, checker=None, priority: int = 0, name: str = "") -> Impl:
+    return _add(Impl(d, target, kernel=fn, checker=checker or (lambda n: True), priority=priority, name=name))
+
+
+def lowering(d: Dialect, target: Any, fn: Callable, checker=None, priority: int = 0, name: str = "") -> Impl:
+    return _add(Impl(d, target, lower=fn, checker=checker or (lambda n: True), priority=priority, name=name))
+
+
+def _add(impl: Impl) -> Impl:
+    impls = _IMPLS.setdefault(impl.target, [])
+    impls.append(impl)
+    impls.sort(key=lambda i: (i.dialect.priority, i.priority), reverse=True)
+    return impl
+
+
+def lowered_targets() -> list[Any]:
+    """Ops some dialect implements by a graph lowering."""
+    _ensure_loaded()
+    return [t for t, impls in _IMPLS.items() if any(i.lower is not None for i in impls)]
+
+
+def impls_for(target: Any) -> list[Impl]:
+    _ensure_loaded()
+    return list(_IMPLS.get(target, ()))
+
+
+# ---- which dialects are enabled --------------------------------------------------------------
+_enabled: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("kiln_dialects", default=None)
+
+
+def enabled() -> tuple[str, ...]:
+    """The enabled dialects, in the order given by the innermost `kiln.dialects(...)` (all by default)."""
+    _ensure_loaded()
+    chosen = _enabled.get()
+    return chosen if chosen is not None else tuple(sorted(DIALECTS, key=lambda n: -DIALECTS[n].priority))
+
+
+def check_names(names) -> tuple[str, ...]:
+    _ensure_loaded()
+    names = tuple(names)
+    unknown = [n for n in names if n not in DIALECTS]
+    if unknown:
+        raise KilnError(f"unknown dialect(s) {unknown}; available: {sorted(DIALECTS)}")
+    if "aten" not in names:
+        names = names + ("aten",)   # the reference provider is always the last resort
+    return names
+
+
+@contextlib.contextmanager
+def dialects(*names: str) -> Iterator[tuple[str, ...]]:
+    """Restrict and reorder dialects for compilations inside the block: `with kiln.dialects("aten"):`.
+    The order given is the preference order; `aten` is always appended as the fallback."""
+    token = _enabled.set(check_names(names))
+    try:
+        yield _enabled.get()
+    finally:
+        _enabled.reset(token)
+
+
+def select(node, names: tuple[str, ...], form: str) -> Impl | None:
+    """The implementation of `form` ('kernel' or 'lower') to use for node, or None."""
+    rank = {n: i for i, n in enumerate(names)}
+    candidates = [i for i in impls_for(node.target) if i.dialect.name in rank and getattr(i, form) is not None]
+    candidates.sort(key=lambda i: (rank[i.dialect.name], -i.priority))
+    for impl in candidates:
+        if impl.accepts(node):
+            return impl
+    return None
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from kiln.dialects import aten, sdpa  # noqa: F401  (register)

@@ -1,0 +1,44 @@
+"""The `sdpa` dialect: PyTorch's fused attention kernels (flash attention on CPU), forward and backward.
+
+scaled_dot_product_attention is lowered to the fused forward kernel, which also returns the
+log-sum-exp that its fused backward kernel needs, so attention probabilities are never stored.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.dialects.aten import expand_kv_heads, sdpa_args
+from kiln.dialects.registry import dialect, lowering
+
+aten = torch.ops.aten
+
+SDPA = dialect("sdpa", priority=10, devices=("cpu",),
+               doc="PyTorch fused attention: flash attention forward/backward kernels")
+
+
+def _flash_cpu_ok(n) -> bool:
+    q, k, v, mask, p, causal, scale, gqa = sdpa_args(n)
+    if p > 0:                 # the CPU flash kernel has no dropout
+        return False
+    if causal and mask is not None:
+        return False
+    floats = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    return len(q.meta.shape) == 4 and q.meta.dtype in floats and k.meta.dtype == q.meta.dtype
+
+
+def sdpa_flash_cpu(b, n):
+    q, k, v, mask, p, causal, scale, gqa = sdpa_args(n)
+    if gqa:
+        k, v = expand_kv_heads(b, q, k, v)
+    if mask is not None and mask.meta.dtype == torch.bool:
+        # the kernel takes an additive mask of the query's dtype
+        mask = b(aten.where.ScalarSelf, mask, 0.0, b(aten.full.default, [], float("-inf"), dtype=q.meta.dtype,
+                                                         device=q.meta.device))
+    elif mask is not None and mask.meta.dtype != q.meta.dtype:
+        mask = b(aten._to_copy.default, mask, dtype=q.meta.dtype)
+    out, _lse = b(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, 0.0, causal,
+                  attn_mask=mask, scale=scale)
+    return [out]
+
+
+lowering(SDPA, aten.scaled_dot_product_attention.default, sdpa_flash_cpu, checker=_flash_cpu_ok, name="flash")

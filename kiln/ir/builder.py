@@ -1,0 +1,69 @@
+"""Emitting nodes: the one way every stage (capture, lowering, autodiff, optimizer) adds ops.
+
+`b(aten.mm.default, x, w)` appends a node, infers its output shapes/dtypes by running the op on meta
+tensors, and returns its output Value (or a tuple of Values for multi-output ops).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._ops import OpOverload
+
+from kiln.ir.graph import Graph, Node, Phase, TensorMeta, Value, tree_map_values, tree_values
+from kiln.ops import registry
+
+
+def infer_metas(target: Any, args: tuple, kwargs: dict) -> list[TensorMeta | None]:
+    """Output metas of `target(*args, **kwargs)` where args hold Values."""
+    if not isinstance(target, OpOverload):
+        return registry.lookup(target).infer(args, kwargs)
+    devices = [v.meta.device for v in tree_values((args, kwargs)) if v.meta is not None]
+    margs, mkwargs = tree_map_values(lambda v: v.meta.as_meta_tensor(), (args, kwargs))
+    if "device" in mkwargs and mkwargs["device"] is not None:
+        device = torch.device(mkwargs["device"])
+        mkwargs = dict(mkwargs, device="meta")
+    else:
+        device = devices[0] if devices else torch.device("cpu")
+    out = target(*margs, **mkwargs)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    return [TensorMeta(tuple(o.shape), o.dtype, tuple(o.stride()), device) if isinstance(o, torch.Tensor)
+            else None for o in outs]
+
+
+class Builder:
+    """Appends nodes to `dest` (a graph's node list by default) with a fixed phase and scope."""
+
+    def __init__(self, graph: Graph, phase: Phase, scope: str = "", dest: list[Node] | None = None):
+        self.graph = graph
+        self.phase = phase
+        self.scope = scope
+        self.dest = graph.nodes if dest is None else dest
+
+    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.emit(target, args, kwargs, name=None)
+
+    def emit(self, target: Any, args: tuple, kwargs: dict, name: str | None = None,
+             metas: list | None = None) -> Any:
+        if isinstance(target, registry.OpDef):
+            op, target = target, target.targets[0]
+        else:
+            op = registry.lookup(target)
+        if metas is None:
+            metas = infer_metas(target, args, kwargs)
+        hint = name or op.name.split(".")[1]
+        outs = [Value(self.graph.fresh_name(hint), m) for m in metas]
+        node = Node(op, target, tuple(args), dict(kwargs), outs, self.phase, self.scope)
+        for v in outs:
+            v.producer = node
+        self.dest.append(node)
+        if len(outs) == 1 and not _is_multi(target):
+            return outs[0]
+        return tuple(outs)
+
+
+def _is_multi(target: Any) -> bool:
+    if isinstance(target, OpOverload):
+        rets = target._schema.returns
+        return len(rets) != 1 or str(rets[0].type).startswith("List")
+    return True

@@ -1,0 +1,207 @@
+"""Kiln's training graph: typed values, nodes in program order, and the graph that owns them.
+
+A `Graph` is a straight-line program. Every `Value` is produced by exactly one `Node` (or is a graph
+input), nodes are kept in a valid execution order, and every node carries typed facts that the passes
+read: its op (an `OpDef` from the registry), which phase it belongs to, which module it came from,
+and, once dispatch has run, which dialect implementation will execute it.
+"""
+from __future__ import annotations
+
+import enum
+import keyword
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Static facts about a tensor value: what shape inference and the printer need."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorMeta":
+        return cls(tuple(int(s) for s in t.shape), t.dtype, tuple(int(s) for s in t.stride()), t.device)
+
+    def as_meta_tensor(self) -> torch.Tensor:
+        """An empty tensor on the meta device with these facts, for shape inference."""
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return f"{dt}[{', '.join(map(str, self.shape))}]"
+
+
+class Role(enum.Enum):
+    """What a graph input is, so the runtime knows where to fetch it from."""
+
+    PARAM = "param"          # trainable parameter: gets a gradient and an update
+    FROZEN = "frozen"        # parameter with requires_grad=False: read only
+    BUFFER = "buffer"        # module buffer (may be mutated, e.g. BatchNorm running stats)
+    CONSTANT = "constant"    # tensor constant lifted by capture
+    INPUT = "input"          # a tensor the user passes to step(...)
+    STATE = "state"          # optimizer state (exp_avg, momentum buffer, step count, ...)
+    SCALAR = "scalar"        # a Python number read at call time (learning rate)
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+_ids = itertools.count()
+_RESERVED = {"torch", "float", "const"}  # names the generated code uses
+
+
+@dataclass(eq=False)
+class Value:
+    """One SSA value. `meta` is None for non-tensor values (opaque objects such as a fallback's
+    saved VJP closure)."""
+
+    name: str
+    meta: TensorMeta | None
+    producer: "Node | None" = None
+    role: Role | None = None          # set for graph inputs only
+    source: str | None = None         # graph inputs: parameter/buffer FQN, input name, state key
+    uid: int = field(default_factory=lambda: next(_ids))
+
+    def __repr__(self) -> str:
+        return f"%{self.name}"
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.meta is not None
+
+    @property
+    def is_float(self) -> bool:
+        return self.meta is not None and self.meta.dtype.is_floating_point
+
+
+def tree_values(obj: Any) -> Iterator[Value]:
+    """Every Value inside a (possibly nested) list/tuple/dict argument structure."""
+    if isinstance(obj, Value):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from tree_values(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tree_values(x)
+
+
+def tree_map_values(fn: Callable[[Value], Any], obj: Any) -> Any:
+    if isinstance(obj, Value):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tree_map_values(fn, x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: tree_map_values(fn, x) for k, x in obj.items()}
+    return obj
+
+
+@dataclass(eq=False)
+class Node:
+    """One op application. `args`/`kwargs` hold Values and Python constants (nested lists allowed)."""
+
+    op: "OpDef"  # noqa: F821  (kiln.ops.registry.OpDef): every fact about the op
+    target: Any                      # the exact overload that runs (aten.add.Tensor, ...)
+    args: tuple
+    kwargs: dict
+    outputs: list[Value]
+    phase: Phase
+    scope: str = ""                  # module path it came from, e.g. "model.layers.0.self_attn"
+    impl: "Impl | None" = None      # noqa: F821  chosen by the dispatch pass
+    uid: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def inputs(self) -> list[Value]:
+        return list(tree_values((self.args, self.kwargs)))
+
+    @property
+    def out(self) -> Value:
+        assert len(self.outputs) == 1, f"{self.op.name} has {len(self.outputs)} outputs"
+        return self.outputs[0]
+
+    def __repr__(self) -> str:
+        return f"Node({self.op.name}, outputs={self.outputs})"
+
+
+class Graph:
+    """The whole training step: inputs, nodes in execution order, the loss, and the effects.
+
+    `mutations` are (graph input, new value) pairs: after the step, the input's storage is updated
+    with the new value (BatchNorm running statistics). Ops with side effects (the optimizer's in-place
+    updates) are ordinary nodes whose OpDef says so.
+    """
+
+    def __init__(self) -> None:
+        self.inputs: list[Value] = []
+        self.nodes: list[Node] = []
+        self.outputs: list[Value] = []          # outputs[0] is the loss
+        self.mutations: list[tuple[Value, Value]] = []
+        self._names: dict[str, int] = {}
+
+    # ---- naming -------------------------------------------------------------------------
+    def fresh_name(self, hint: str) -> str:
+        base = "".join(c if (c.isalnum() or c == "_") else "_" for c in hint) or "t"
+        if base[0].isdigit() or keyword.iskeyword(base) or base in _RESERVED:
+            base = "t" + base
+        n = self._names.get(base, 0)
+        self._names[base] = n + 1
+        return base if n == 0 else f"{base}_{n}"
+
+    # ---- building -----------------------------------------------------------------------
+    def add_input(self, hint: str, meta: TensorMeta | None, role: Role, source: str | None = None) -> Value:
+        v = Value(self.fresh_name(hint), meta, None, role, source)
+        self.inputs.append(v)
+        return v
+
+    def inputs_with(self, role: Role) -> list[Value]:
+        return [v for v in self.inputs if v.role is role]
+
+    # ---- queries ------------------------------------------------------------------------
+    def users(self) -> dict[Value, list[Node]]:
+        out: dict[Value, list[Node]] = {}
+        for n in self.nodes:
+            for v in n.inputs:
+                out.setdefault(v, []).append(n)
+        return out
+
+    def live_outputs(self) -> set[Value]:
+        """Values the step must produce: its outputs and the new values of mutated inputs."""
+        return set(self.outputs) | {new for _, new in self.mutations}
+
+    def replace_uses(self, old: Value, new: Value, start: int = 0) -> None:
+        swap = lambda v: new if v is old else v  # noqa: E731
+        for n in self.nodes[start:]:
+            n.args = tree_map_values(swap, n.args)
+            n.kwargs = tree_map_values(swap, n.kwargs)
+        self.outputs = [swap(v) for v in self.outputs]
+        self.mutations = [(t, swap(v)) for t, v in self.mutations]
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def nodes_in(self, phase: Phase) -> Iterable[Node]:
+        return (n for n in self.nodes if n.phase is phase)

@@ -1,0 +1,69 @@
+"""Indexing, gathering, scattering and tensor creation. One block per op."""
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.common import arg, shape
+from kiln.ops.registry import Kind, defop, nondiff
+
+aten = torch.ops.aten
+I = Kind.INDEX
+
+
+def _zeros_like(b, v):
+    return b(aten.zeros.default, shape(v), dtype=v.meta.dtype, device=v.meta.device)
+
+
+defop(aten.embedding.default, lambda b, n, g: (
+    b(aten.embedding_dense_backward.default, g, n.args[1], shape(n.args[0])[0],
+      arg(n, 2, "padding_idx", -1), arg(n, 3, "scale_grad_by_freq", False)), None), I)
+defop(aten.index.Tensor, lambda b, n, g: (
+    b(aten.index_put.default, _zeros_like(b, n.args[0]), n.args[1], g, True), None), I)
+defop(aten.index_select.default, lambda b, n, g: (
+    b(aten.index_add.default, _zeros_like(b, n.args[0]), n.args[1], n.args[2], g), None, None), I)
+defop(aten.gather.default, lambda b, n, g: (
+    b(aten.scatter_add.default, _zeros_like(b, n.args[0]), n.args[1], n.args[2], g), None, None), I)
+
+
+def vjp_scatter_src(b, n, g):
+    """scatter(x, dim, index, src): x's gradient is g with the written places zeroed; src's is gathered."""
+    x, dim, index = n.args[0], n.args[1], n.args[2]
+    gx = b(aten.scatter.value, g, dim, index, 0.0)
+    gsrc = b(aten.gather.default, g, dim, index) if len(n.args) > 3 and hasattr(n.args[3], "meta") else None
+    return gx, None, None, gsrc
+
+
+defop((aten.scatter.src, aten.scatter.value), vjp_scatter_src, I)
+defop(aten.scatter_add.default, lambda b, n, g: (g, None, None, b(aten.gather.default, g, n.args[1], n.args[2])), I)
+
+
+def vjp_index_put(b, n, g):
+    x, indices, values = n.args[0], n.args[1], n.args[2]
+    accumulate = arg(n, 3, "accumulate", False)
+    gx = g if accumulate else b(aten.index_put.default, g, indices, b(aten.zeros.default, [], dtype=g.meta.dtype,
+                                                                       device=g.meta.device), False)
+    gv = b(aten.index.Tensor, g, indices)
+    return gx, None, gv
+
+
+defop(aten.index_put.default, vjp_index_put, I)
+def vjp_slice_scatter(b, n, g):
+    x, src = n.args[0], n.args[1]
+    dim, start, end, step = (arg(n, 2, "dim", 0), arg(n, 3, "start"), arg(n, 4, "end"), arg(n, 5, "step", 1))
+    gx = b(aten.slice_scatter.default, g, _zeros_like(b, src), dim, start, end, step)
+    return gx, b(aten.slice.Tensor, g, dim, start, end, step)
+
+
+defop(aten.slice_scatter.default, vjp_slice_scatter, I)
+defop(aten.select_scatter.default, lambda b, n, g: (
+    b(aten.select_scatter.default, g, _zeros_like(b, n.args[1]), n.args[2], n.args[3]),
+    b(aten.select.int, g, n.args[2], n.args[3])), I)
+
+# ---- creation and random draws: nothing to differentiate ----------------------------------------
+nondiff([aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format,
+         aten.arange.default, aten.arange.start, aten.arange.start_step, aten.scalar_tensor.default,
+         aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
+         aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
+         aten.lift_fresh.default], kind=Kind.CREATION)
+nondiff([aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default,
+         aten.randint.low, aten.bernoulli.p, aten.bernoulli.default], kind=Kind.RANDOM)

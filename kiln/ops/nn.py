@@ -1,0 +1,178 @@
+"""Neural-network ops: matmuls, convolution, normalization, pooling, dropout, softmax, losses,
+attention. One block per op; rules call ATen's fused backward kernels wherever they exist."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kiln.ops.common import arg, reshape, shape
+from kiln.ops.registry import Cast, Kind, defop
+
+aten = torch.ops.aten
+LOW, F32 = Cast.LOWER, Cast.FP32
+
+
+def _matmul_flops(n) -> float:
+    """2*M*N*K for the node's matmul (batch dims folded into M)."""
+    a, w = n.args[0], n.args[1]
+    if n.target is aten.addmm.default:
+        a, w = n.args[1], n.args[2]
+    k = shape(a)[-1]
+    return 2.0 * n.out.meta.numel * k
+
+
+# ---- matmuls ----------------------------------------------------------------------------------
+def vjp_linear(b, n, g):
+    x, w = n.args[0], n.args[1]
+    bias = arg(n, 2, "bias")
+    out_f, in_f = shape(w)
+    g2 = reshape(b, g, [-1, out_f])                               # (tokens, out)
+    gx = reshape(b, b(aten.mm.default, g2, w), shape(x))           # (tokens, in)
+    x2 = reshape(b, x, [-1, in_f])
+    gw = b(aten.mm.default, b(aten.t.default, g2), x2)             # (out, in)
+    gb = b(aten.sum.dim_IntList, g2, [0]) if bias is not None else None
+    return gx, gw, gb
+
+
+defop(aten.linear.default, vjp_linear, Kind.MATMUL, LOW, cost=_matmul_flops)
+
+
+def vjp_addmm(b, n, g):
+    bias, x, w = n.args
+    beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)
+    scale = (lambda t, s: t if s == 1 else b(aten.mul.Tensor, t, s))
+    gx = scale(b(aten.mm.default, g, b(aten.t.default, w)), alpha)
+    gw = scale(b(aten.mm.default, b(aten.t.default, x), g), alpha)
+    return scale(g, beta), gx, gw
+
+
+defop(aten.addmm.default, vjp_addmm, Kind.MATMUL, LOW, cost=_matmul_flops)
+defop(aten.mm.default, lambda b, n, g: (b(aten.mm.default, g, b(aten.t.default, n.args[1])),
+                                        b(aten.mm.default, b(aten.t.default, n.args[0]), g)),
+      Kind.MATMUL, LOW, cost=_matmul_flops)
+defop(aten.bmm.default, lambda b, n, g: (b(aten.bmm.default, g, b(aten.transpose.int, n.args[1], 1, 2)),
+                                         b(aten.bmm.default, b(aten.transpose.int, n.args[0], 1, 2), g)),
+      Kind.MATMUL, LOW, cost=_matmul_flops)
+
+
+def vjp_convolution(b, n, g):
+    x, w, bias, stride, padding, dilation, transposed, out_pad, groups = n.args
+    mask = [True, True, bias is not None]
+    gx, gw, gb = b(aten.convolution_backward.default, g, x, w, shape(bias) if bias is not None else None,
+                   stride, padding, dilation, transposed, out_pad, groups, mask)
+    return gx, gw, gb if bias is not None else None
+
+
+def _conv_flops(n) -> float:
+    w = shape(n.args[1])
+    return 2.0 * n.out.meta.numel * math.prod(w[1:])
+
+
+defop(aten.convolution.default, vjp_convolution, Kind.MATMUL, LOW, cost=_conv_flops)
+
+
+# ---- normalization ----------------------------------------------------------------------------
+def vjp_layer_norm(b, n, g, g_mean=None, g_rstd=None):
+    x, normalized_shape, w, bias = n.args[0], n.args[1], arg(n, 2, "weight"), arg(n, 3, "bias")
+    _, mean, rstd = n.outputs
+    gx, gw, gb = b(aten.native_layer_norm_backward.default, g, x, normalized_shape, mean, rstd, w, bias,
+                   [True, w is not None, bias is not None])
+    return gx, None, gw if w is not None else None, gb if bias is not None else None, None
+
+
+defop(aten.native_layer_norm.default, vjp_layer_norm, Kind.NORM, F32)
+
+
+def vjp_batch_norm_train(b, n, g, *unused):
+    x, w, bias, rmean, rvar, training, momentum, eps = n.args
+    _, save_mean, save_invstd, _, _ = n.outputs
+    gx, gw, gb = b(aten.native_batch_norm_backward.default, g, x, w, rmean, rvar, save_mean, save_invstd,
+                   True, eps, [True, w is not None, bias is not None])
+    return gx, gw if w is not None else None, gb if bias is not None else None, None, None, None, None, None
+
+
+defop(aten._native_batch_norm_legit_functional.default, vjp_batch_norm_train, Kind.NORM, F32)
+
+
+def vjp_batch_norm_eval(b, n, g, *unused):
+    x, w, bias, rmean, rvar, momentum, eps = n.args
+    gx, gw, gb = b(aten.native_batch_norm_backward.default, g, x, w, rmean, rvar, None, None,
+                   False, eps, [True, w is not None, bias is not None])
+    return gx, gw if w is not None else None, gb if bias is not None else None, None, None, None, None
+
+
+defop(aten._native_batch_norm_legit_no_training.default, vjp_batch_norm_eval, Kind.NORM, F32)
+
+
+# ---- pooling ----------------------------------------------------------------------------------
+def vjp_max_pool2d(b, n, g, g_idx=None):
+    x, kernel = n.args[0], n.args[1]
+    stride, padding = arg(n, 2, "stride", []) or kernel, arg(n, 3, "padding", 0)
+    dilation, ceil = arg(n, 4, "dilation", 1), arg(n, 5, "ceil_mode", False)
+    return (b(aten.max_pool2d_with_indices_backward.default, g, x, kernel, stride, padding, dilation, ceil,
+              n.outputs[1]),)
+
+
+defop(aten.max_pool2d_with_indices.default, vjp_max_pool2d, Kind.REDUCTION)
+
+
+def vjp_avg_pool2d(b, n, g):
+    x, kernel = n.args[0], n.args[1]
+    rest = [arg(n, 2, "stride", []), arg(n, 3, "padding", 0), arg(n, 4, "ceil_mode", False),
+            arg(n, 5, "count_include_pad", True), arg(n, 6, "divisor_override")]
+    return (b(aten.avg_pool2d_backward.default, g, x, kernel, *rest),)
+
+
+defop(aten.avg_pool2d.default, vjp_avg_pool2d, Kind.REDUCTION)
+defop(aten._adaptive_avg_pool2d.default, lambda b, n, g: (
+    b(aten._adaptive_avg_pool2d_backward.default, g, n.args[0]), None), Kind.REDUCTION)
+
+
+# ---- dropout ----------------------------------------------------------------------------------
+def vjp_dropout(b, n, g, g_mask=None):
+    x, p, train = n.args
+    if not train:
+        return g, None, None
+    return b(aten.native_dropout_backward.default, g, n.outputs[1], 1.0 / (1.0 - p) if p < 1 else 0.0), None, None
+
+
+defop(aten.native_dropout.default, vjp_dropout, Kind.RANDOM)
+
+
+# ---- softmax and losses -----------------------------------------------------------------------
+defop(aten._softmax.default, lambda b, n, g: (
+    b(aten._softmax_backward_data.default, g, n.out, n.args[1], n.args[0].meta.dtype), None, None), Kind.REDUCTION, F32)
+defop(aten._log_softmax.default, lambda b, n, g: (
+    b(aten._log_softmax_backward_data.default, g, n.out, n.args[1], n.args[0].meta.dtype), None, None),
+    Kind.REDUCTION, F32)
+
+
+def _nll_rule(backward):
+    def rule(b, n, g, g_total=None):
+        x, target, weight, reduction, ignore_index = n.args
+        return (b(backward, g, x, target, weight, reduction, ignore_index, n.outputs[1]),)
+    return rule
+
+
+defop(aten.nll_loss_forward.default, _nll_rule(aten.nll_loss_backward.default), Kind.LOSS, F32)
+defop(aten.nll_loss2d_forward.default, _nll_rule(aten.nll_loss2d_backward.default), Kind.LOSS, F32)
+
+
+# ---- attention --------------------------------------------------------------------------------
+def vjp_flash_cpu(b, n, g, g_lse=None):
+    q, k, v = n.args[:3]
+    dropout_p, causal = arg(n, 3, "dropout_p", 0.0), arg(n, 4, "is_causal", False)
+    out, lse = n.outputs
+    gq, gk, gv = b(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, g, q, k, v, out, lse,
+                   dropout_p, causal, attn_mask=n.kwargs.get("attn_mask"), scale=n.kwargs.get("scale"))
+    return gq, gk, gv
+
+
+def _attention_flops(n) -> float:
+    q, k = shape(n.args[0]), shape(n.args[1])
+    return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
+
+
+defop(aten._scaled_dot_product_flash_attention_for_cpu.default, vjp_flash_cpu, Kind.ATTENTION, LOW,
+      cost=_attention_flops)

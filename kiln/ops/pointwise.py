@@ -1,0 +1,183 @@
+"""Elementwise ops: arithmetic, activations, casts, selection. One block per op.
+
+Broadcasting is handled by autodiff (a gradient is summed back to its input's shape), so these
+rules are written as if all operands had the output's shape.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.common import ZERO, arg, cast
+from kiln.ops.registry import Cast, Kind, defop, nondiff
+
+aten = torch.ops.aten
+P, F32 = Kind.POINTWISE, Cast.FP32
+
+
+def _alpha(n):
+    return n.kwargs.get("alpha", 1)
+
+
+def _scale(b, g, s):
+    return g if s == 1 else b(aten.mul.Tensor, g, s)
+
+
+# ---- arithmetic -------------------------------------------------------------------------------
+defop(aten.add.Tensor, lambda b, n, g: (g, _scale(b, g, _alpha(n))), P)
+defop(aten.add.Scalar, lambda b, n, g: (g, None), P)
+defop(aten.sub.Tensor, lambda b, n, g: (g, b(aten.mul.Tensor, g, -_alpha(n))), P)
+defop(aten.sub.Scalar, lambda b, n, g: (g, None), P)
+defop(aten.rsub.Scalar, lambda b, n, g: (b(aten.mul.Tensor, g, -_alpha(n)), None), P)
+defop(aten.rsub.Tensor, lambda b, n, g: (b(aten.mul.Tensor, g, -_alpha(n)), g), P)
+
+
+def vjp_mul(b, n, g):
+    x, y = n.args
+    return b(aten.mul.Tensor, g, y), (b(aten.mul.Tensor, g, x) if hasattr(y, "meta") else None)
+
+
+defop((aten.mul.Tensor, aten.mul.Scalar), vjp_mul, P)
+
+
+def vjp_div(b, n, g):
+    x, y = n.args
+    if not hasattr(y, "meta"):                      # div by a Python number
+        return b(aten.div.Tensor, g, y), None
+    gx = b(aten.div.Tensor, g, y)
+    # d(x/y)/dy = -x / y^2 = -(x/y) / y
+    gy = b(aten.neg.default, b(aten.div.Tensor, b(aten.mul.Tensor, g, n.out), y))
+    return gx, gy
+
+
+defop((aten.div.Tensor, aten.div.Scalar), vjp_div, P)
+defop(aten.neg.default, lambda b, n, g: (b(aten.neg.default, g),), P)
+
+
+def vjp_pow_scalar(b, n, g):
+    x, e = n.args
+    if e == 0:
+        return (ZERO,)
+    if e == 1:
+        return (g,)
+    if e == 2:
+        return (b(aten.mul.Tensor, g, b(aten.mul.Tensor, x, 2.0)),)
+    return (b(aten.mul.Tensor, g, b(aten.mul.Tensor, b(aten.pow.Tensor_Scalar, x, e - 1), e)),)
+
+
+defop(aten.pow.Tensor_Scalar, vjp_pow_scalar, P, F32)
+
+
+def vjp_pow_tensor(b, n, g):
+    x, e = n.args
+    # d/dx = e * x^(e-1); d/de = x^e * log(x)  (where x > 0; torch masks x == 0 the same way)
+    gx = b(aten.mul.Tensor, g, b(aten.mul.Tensor, e, b(aten.pow.Tensor_Tensor, x, b(aten.sub.Tensor, e, 1))))
+    logx = b(aten.where.ScalarOther, b(aten.ne.Scalar, x, 0), b(aten.log.default, x), 0.0)
+    ge = b(aten.mul.Tensor, g, b(aten.mul.Tensor, n.out, logx))
+    return gx, ge
+
+
+defop(aten.pow.Tensor_Tensor, vjp_pow_tensor, P, F32)
+defop(aten.pow.Scalar, lambda b, n, g: (None, b(aten.mul.Tensor, b(aten.mul.Tensor, g, n.out),
+                                                 float(torch.log(torch.tensor(float(n.args[0])))))), P, F32)
+
+
+# ---- unary math -------------------------------------------------------------------------------
+defop(aten.exp.default, lambda b, n, g: (b(aten.mul.Tensor, g, n.out),), P, F32)
+defop(aten.log.default, lambda b, n, g: (b(aten.div.Tensor, g, n.args[0]),), P, F32)
+defop(aten.log1p.default, lambda b, n, g: (b(aten.div.Tensor, g, b(aten.add.Tensor, n.args[0], 1.0)),), P, F32)
+defop(aten.sqrt.default, lambda b, n, g: (b(aten.div.Tensor, g, b(aten.mul.Tensor, n.out, 2.0)),), P, F32)
+# d(x^-1/2) = -1/2 x^-3/2 = -1/2 * out^3
+defop(aten.rsqrt.default, lambda b, n, g: (
+    b(aten.mul.Tensor, g, b(aten.mul.Tensor, b(aten.pow.Tensor_Scalar, n.out, 3), -0.5)),), P, F32)
+defop(aten.reciprocal.default, lambda b, n, g: (
+    b(aten.mul.Tensor, g, b(aten.neg.default, b(aten.mul.Tensor, n.out, n.out))),), P, F32)
+defop(aten.sin.default, lambda b, n, g: (b(aten.mul.Tensor, g, b(aten.cos.default, n.args[0])),), P, F32)
+defop(aten.cos.default, lambda b, n, g: (b(aten.mul.Tensor, g, b(aten.neg.default, b(aten.sin.default, n.args[0]))),), P, F32)
+defop(aten.abs.default, lambda b, n, g: (b(aten.mul.Tensor, g, b(aten.sgn.default, n.args[0])),), P)
+defop(aten.erf.default, lambda b, n, g: (b(aten.mul.Tensor, g, b(aten.mul.Tensor, b(aten.exp.default, b(
+    aten.neg.default, b(aten.mul.Tensor, n.args[0], n.args[0]))), 2.0 / 3.141592653589793 ** 0.5)),), P, F32)
+
+# ---- activations (ATen has fused backward kernels for these) -----------------------------------
+defop(aten.tanh.default, lambda b, n, g: (b(aten.tanh_backward.default, g, n.out),), P)
+defop(aten.sigmoid.default, lambda b, n, g: (b(aten.sigmoid_backward.default, g, n.out),), P)
+defop(aten.relu.default, lambda b, n, g: (b(aten.threshold_backward.default, g, n.out, 0),), P)
+defop(aten.gelu.default, lambda b, n, g: (
+    b(aten.gelu_backward.default, g, n.args[0], approximate=arg(n, 1, "approximate", "none")),), P)
+defop(aten.silu.default, lambda b, n, g: (b(aten.silu_backward.default, g, n.args[0]),), P)
+defop(aten.hardtanh.default, lambda b, n, g: (
+    b(aten.hardtanh_backward.default, g, n.args[0], arg(n, 1, "min_val", -1.0), arg(n, 2, "max_val", 1.0)),), P)
+defop(aten.leaky_relu.default, lambda b, n, g: (
+    b(aten.leaky_relu_backward.default, g, n.args[0], arg(n, 1, "negative_slope", 0.01), False),), P)
+defop(aten.elu.default, lambda b, n, g: (b(aten.elu_backward.default, g, arg(n, 1, "alpha", 1.0),
+                                           arg(n, 2, "scale", 1.0), arg(n, 3, "input_scale", 1.0), True, n.out),), P)
+
+
+# ---- casts and copies -------------------------------------------------------------------------
+defop(aten._to_copy.default, lambda b, n, g: (cast(b, g, n.args[0].meta.dtype),), P)
+defop(aten.clone.default, lambda b, n, g: (g,), P)
+defop(aten.alias.default, lambda b, n, g: (g,), Kind.VIEW)
+defop(aten.lift_fresh_copy.default, lambda b, n, g: (g,), P)
+# copy(dst, src): the result is src (broadcast into dst's shape and dtype); dst's values are gone
+defop(aten.copy.default, lambda b, n, g: (ZERO, cast(b, g, n.args[1].meta.dtype)), P)
+defop((aten.fill.Scalar, aten.fill.Tensor), lambda b, n, g: (ZERO, None if not hasattr(n.args[1], "meta")
+                                                             else b(aten.sum.default, g)), P)
+
+
+# ---- selection --------------------------------------------------------------------------------
+def vjp_where(b, n, g):
+    cond, x, y = n.args
+    gx = b(aten.where.ScalarOther, cond, g, 0.0) if hasattr(x, "meta") else None
+    gy = b(aten.where.ScalarSelf, cond, 0.0, g) if hasattr(y, "meta") else None
+    return None, gx, gy
+
+
+defop((aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf), vjp_where, P)
+defop(aten.masked_fill.Scalar, lambda b, n, g: (b(aten.masked_fill.Scalar, g, n.args[1], 0.0), None, None), P)
+defop(aten.masked_fill.Tensor, lambda b, n, g: (
+    b(aten.masked_fill.Scalar, g, n.args[1], 0.0), None,
+    b(aten.sum.default, b(aten.where.ScalarOther, n.args[1], g, 0.0))), P)
+
+
+def _minmax(pick_x):
+    """maximum/minimum: the gradient goes to the selected input; ties split it evenly (as torch)."""
+    def rule(b, n, g):
+        x, y = n.args
+        half = b(aten.mul.Tensor, g, 0.5)
+        tie = b(aten.eq.Tensor, x, y)
+        x_wins = b(pick_x, x, y)
+        gx = b(aten.where.self, tie, half, b(aten.where.ScalarOther, x_wins, g, 0.0))
+        gy = b(aten.where.self, tie, half, b(aten.where.ScalarSelf, x_wins, 0.0, g))
+        return gx, gy
+    return rule
+
+
+defop((aten.maximum.default, aten.max.other), _minmax(aten.gt.Tensor), P)
+defop((aten.minimum.default, aten.min.other), _minmax(aten.lt.Tensor), P)
+
+
+def vjp_clamp(b, n, g):
+    x, lo, hi = n.args[0], arg(n, 1, "min"), arg(n, 2, "max")
+    keep = None
+    if lo is not None:
+        keep = b(aten.ge.Scalar, x, lo)
+    if hi is not None:
+        le = b(aten.le.Scalar, x, hi)
+        keep = le if keep is None else b(aten.logical_and.default, keep, le)
+    return (g if keep is None else b(aten.where.ScalarOther, keep, g, 0.0),)
+
+
+defop(aten.clamp.default, vjp_clamp, P)
+defop(aten.clamp_min.default, lambda b, n, g: (b(aten.where.ScalarOther, b(aten.ge.Scalar, n.args[0], n.args[1]), g, 0.0),), P)
+defop(aten.clamp_max.default, lambda b, n, g: (b(aten.where.ScalarOther, b(aten.le.Scalar, n.args[0], n.args[1]), g, 0.0),), P)
+defop(aten.triu.default, lambda b, n, g: (b(aten.triu.default, g, arg(n, 1, "diagonal", 0)),), P)
+defop(aten.tril.default, lambda b, n, g: (b(aten.tril.default, g, arg(n, 1, "diagonal", 0)),), P)
+
+# ---- no gradient: comparisons, logic, integer math, rounding ------------------------------------
+nondiff([aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor, aten.lt.Scalar,
+         aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
+         aten.logical_and.default, aten.logical_or.default, aten.logical_not.default,
+         aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.bitwise_not.default,
+         aten.__and__.Tensor, aten.__or__.Tensor, aten.isinf.default, aten.isnan.default,
+         aten.sign.default, aten.sgn.default, aten.floor.default, aten.ceil.default, aten.round.default,
+         aten.trunc.default, aten.floor_divide.default, aten.remainder.Scalar, aten.remainder.Tensor,
+         aten.argmax.default, aten.argmin.default])

@@ -1,0 +1,104 @@
+"""Reductions. One block per op; each gradient broadcasts back over the reduced dimensions."""
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.common import arg, cast, norm_dims, shape
+from kiln.ops.registry import Cast, Kind, defop, nondiff
+
+aten = torch.ops.aten
+R, F32 = Kind.REDUCTION, Cast.FP32
+
+
+def _unreduce(b, g, x, dims, keepdim):
+    """Broadcast a reduced gradient back to x's shape."""
+    ndim = len(shape(x))
+    if not keepdim and ndim:
+        for d in norm_dims(dims, ndim):
+            g = b(aten.unsqueeze.default, g, d)
+    return b(aten.expand.default, g, shape(x))
+
+
+def vjp_sum(b, n, g):
+    x = n.args[0]
+    dims = None if n.target is aten.sum.default else arg(n, 1, "dim")
+    keep = False if n.target is aten.sum.default else arg(n, 2, "keepdim", False)
+    return (cast(b, _unreduce(b, g, x, dims or None, keep), x.meta.dtype),)
+
+
+defop((aten.sum.default, aten.sum.dim_IntList), vjp_sum, R, F32)
+
+
+def vjp_mean(b, n, g):
+    x = n.args[0]
+    dims = None if n.target is aten.mean.default else arg(n, 1, "dim")
+    keep = False if n.target is aten.mean.default else arg(n, 2, "keepdim", False)
+    count = x.meta.numel // max(n.out.meta.numel, 1)
+    g = b(aten.div.Tensor, g, count)
+    return (cast(b, _unreduce(b, g, x, dims or None, keep), x.meta.dtype),)
+
+
+defop((aten.mean.default, aten.mean.dim), vjp_mean, R, F32)
+
+
+def vjp_var(b, n, g):
+    x = n.args[0]
+    dims, corr, keep = arg(n, 1, "dim"), n.kwargs.get("correction", 1), n.kwargs.get("keepdim", False)
+    count = x.meta.numel // max(n.out.meta.numel, 1)
+    mean = b(aten.mean.dim, x, norm_dims(dims, len(shape(x))), True)
+    centered = b(aten.sub.Tensor, x, mean)
+    g = _unreduce(b, g, x, dims, keep)
+    return (b(aten.mul.Tensor, b(aten.mul.Tensor, g, centered), 2.0 / max(count - (corr or 0), 1)),)
+
+
+defop(aten.var.correction, vjp_var, R, F32)
+
+
+def vjp_amax(b, n, g):
+    x, dims, keep = n.args[0], arg(n, 1, "dim", []), arg(n, 2, "keepdim", False)
+    out = _unreduce(b, n.out, x, dims or None, keep)
+    hit = b(aten.eq.Tensor, x, out)
+    # ties share the gradient evenly, as torch does
+    count = b(aten.sum.dim_IntList, b(aten._to_copy.default, hit, dtype=x.meta.dtype),
+              norm_dims(dims or None, len(shape(x))), True)
+    g = b(aten.div.Tensor, _unreduce(b, g, x, dims or None, keep), count)
+    return (b(aten.where.ScalarOther, hit, g, 0.0),)
+
+
+defop((aten.amax.default, aten.amin.default), vjp_amax, R)
+
+
+def vjp_logsumexp(b, n, g):
+    x, dims, keep = n.args[0], n.args[1], arg(n, 2, "keepdim", False)
+    p = b(aten.exp.default, b(aten.sub.Tensor, x, _unreduce(b, n.out, x, dims, keep)))
+    return (b(aten.mul.Tensor, p, _unreduce(b, g, x, dims, keep)),)
+
+
+defop(aten.logsumexp.default, vjp_logsumexp, R, F32)
+
+
+def vjp_cumsum(b, n, g):
+    dim = n.args[1]
+    flipped = b(aten.cumsum.default, b(aten.flip.default, g, [dim]), dim)
+    return (cast(b, b(aten.flip.default, flipped, [dim]), n.args[0].meta.dtype),)
+
+
+defop(aten.cumsum.default, vjp_cumsum, R, F32)
+defop(aten.flip.default, lambda b, n, g: (b(aten.flip.default, g, n.args[1]),), Kind.INDEX)
+
+
+def vjp_vector_norm(b, n, g):
+    x, ord_ = n.args[0], arg(n, 1, "ord", 2)
+    dims, keep = arg(n, 2, "dim"), arg(n, 3, "keepdim", False)
+    if ord_ != 2:
+        raise NotImplementedError("linalg_vector_norm gradient: only ord=2")
+    # d||x||/dx = x / ||x||  (0 where the norm is 0)
+    norm = _unreduce(b, n.out, x, dims, keep)
+    safe = b(aten.masked_fill.Scalar, norm, b(aten.eq.Scalar, norm, 0), 1.0)
+    return (b(aten.mul.Tensor, _unreduce(b, g, x, dims, keep), b(aten.div.Tensor, x, safe)),)
+
+
+defop(aten.linalg_vector_norm.default, vjp_vector_norm, R, F32)
+
+nondiff([aten.any.default, aten.any.dim, aten.all.default, aten.all.dim],
+        kind=R)

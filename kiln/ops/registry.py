@@ -1,0 +1,152 @@
+"""The op registry: one `OpDef` per op, holding every fact the compiler needs about it.
+
+An OpDef is the single place where Kiln describes an op: which ATen overloads it covers, its VJP
+(gradient) rule, its mixed-precision cast class, its kind (read by fusion and rematerialization), its
+side effects and a cost estimate. Op families live in sibling modules (`pointwise.py`, `nn.py`, ...),
+one block per op; `tests/ops/test_registry.py` checks that every registered op is complete.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch._ops import OpOverload
+
+log = logging.getLogger("kiln")
+
+
+class Kind(enum.Enum):
+    VIEW = "view"              # aliases its input, no compute
+    POINTWISE = "pointwise"    # elementwise, incl. broadcasting and casts
+    REDUCTION = "reduction"
+    MATMUL = "matmul"          # mm/bmm/linear/conv: the flops
+    NORM = "norm"              # layer/batch/rms norm (reduction + pointwise)
+    ATTENTION = "attention"
+    INDEX = "index"            # gather/scatter/embedding/cat/slicing that copies
+    RANDOM = "random"          # draws from the RNG: never CSE'd, never recomputed blindly
+    CREATION = "creation"      # zeros/ones/arange/full: no tensor inputs
+    LOSS = "loss"
+    OPTIMIZER = "optimizer"    # in-place parameter/state updates
+    OPAQUE = "opaque"          # fallbacks and anything Kiln cannot see into
+
+
+class Cast(enum.Enum):
+    """Mixed-precision cast class (TensorFlow/RAF AMP lists)."""
+
+    LOWER = "lower"            # always run in low precision (matmul, conv, attention)
+    FP32 = "fp32"              # never run in low precision (softmax, losses, norm statistics, exp, ...)
+    FOLLOW = "follow"          # run in the dtype of the inputs (views, elementwise, activations)
+
+
+Vjp = Callable[..., Sequence[Any]]
+
+
+def _default_cost(node) -> float:
+    """Element-count estimate: bytes moved dominate everything but matmuls."""
+    return float(sum(v.meta.numel for v in node.outputs if v.meta is not None))
+
+
+@dataclass
+class OpDef:
+    name: str
+    targets: tuple[Any, ...]                     # ATen OpOverloads (or Kiln op keys) it covers
+    vjp: Vjp | None                              # gradient rule; None: no rule (-> logged fallback)
+    kind: Kind
+    cast: Cast
+    differentiable: bool = True                  # False: outputs never carry gradient (comparisons)
+    side_effects: bool = False                   # True: never removed, never merged, never reordered
+    cost: Callable[[Any], float] = _default_cost
+    infer: Callable[..., list] | None = None     # shape inference for non-ATen ops (args, kwargs) -> metas
+    doc: str = ""
+
+    @property
+    def has_rule(self) -> bool:
+        return self.vjp is not None or not self.differentiable
+
+    def __repr__(self) -> str:
+        return f"OpDef({self.name})"
+
+
+_BY_TARGET: dict[Any, OpDef] = {}
+_BY_NAME: dict[str, OpDef] = {}
+
+
+def register(op: OpDef) -> OpDef:
+    if op.name in _BY_NAME:
+        raise ValueError(f"op {op.name!r} registered twice")
+    _BY_NAME[op.name] = op
+    for t in op.targets:
+        if t in _BY_TARGET:
+            raise ValueError(f"{t} is covered by both {_BY_TARGET[t].name} and {op.name}")
+        _BY_TARGET[t] = op
+    return op
+
+
+def defop(targets, vjp: Vjp | None, kind: Kind, cast: Cast = Cast.FOLLOW, *, name: str | None = None,
+          **facts) -> OpDef:
+    """Register one op. `targets` is an OpOverload or a tuple of them; the name defaults to the first."""
+    if not isinstance(targets, (tuple, list)):
+        targets = (targets,)
+    if name is None:
+        name = _target_name(targets[0])
+    return register(OpDef(name, tuple(targets), vjp, kind, cast, **facts))
+
+
+def nondiff(targets, kind: Kind = Kind.POINTWISE, **facts) -> list[OpDef]:
+    """Register ops whose outputs never carry a gradient (comparisons, integer math, creation)."""
+    if not isinstance(targets, (tuple, list)):
+        targets = (targets,)
+    return [defop(t, None, kind, Cast.FOLLOW, differentiable=False, **facts) for t in targets]
+
+
+def _target_name(t: Any) -> str:
+    if isinstance(t, OpOverload):
+        ns = t.namespace
+        packet, overload = t._schema.name.split("::")[1], t._overloadname
+        return f"{ns}.{packet}" + ("" if overload == "default" else f".{overload}")
+    return str(t)
+
+
+def lookup(target: Any) -> OpDef:
+    """The OpDef for an ATen overload. Ops nobody registered get an OpDef with no VJP rule, so
+    autodiff falls back to `torch.func.vjp` for them (logged, and shown by explain)."""
+    _ensure_loaded()
+    op = _BY_TARGET.get(target)
+    if op is not None:
+        return op
+    if isinstance(target, OpOverload) and target._schema.is_mutable:
+        from kiln.errors import UnsupportedError
+        raise UnsupportedError(f"{_target_name(target)} mutates its input in the captured forward; "
+                               "Kiln trains functional graphs only")
+    op = OpDef(_target_name(target), (target,), None, Kind.OPAQUE, Cast.FOLLOW,
+               doc="not in Kiln's registry: gradient by torch.func.vjp fallback")
+    _BY_TARGET[target] = op
+    return op
+
+
+def by_name(name: str) -> OpDef:
+    _ensure_loaded()
+    return _BY_NAME[name]
+
+
+def all_ops() -> list[OpDef]:
+    _ensure_loaded()
+    return list(_BY_NAME.values())
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from kiln.ops import pointwise, views, reductions, nn, indexing  # noqa: F401  (register)
+        from kiln import optim  # noqa: F401  (optimizer update ops)
+        from kiln.autodiff import fallback  # noqa: F401
+
+
+aten = torch.ops.aten

@@ -1,0 +1,96 @@
+"""THE compilation pipeline: reading this list tells the whole story of a compilation.
+
+capture -> forward clean-up -> autodiff -> optimizer -> training-graph clean-up -> dispatch.
+Set KILN_DUMP=1 to print the graph after every pass; `verify=True` runs the verifier after each.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kiln.autodiff import differentiate
+from kiln.ir.builder import Builder
+from kiln.ir.graph import Graph, Phase, Role, Value
+from kiln.ir.printer import format_graph
+from kiln.optim import Optimizer, clip_by_global_norm
+from kiln.passes.canonicalize import canonicalize, lower_dialects
+from kiln.passes.cse import common_subexpression_elimination
+from kiln.passes.dce import dead_code_elimination
+from kiln.passes.dispatch import dispatch
+from kiln.passes.noops import remove_noops
+from kiln.passes.verify import verify
+
+log = logging.getLogger("kiln")
+
+
+@dataclass
+class Context:
+    graph: Graph                   # graph.outputs[0] is the loss
+    optimizer: Optimizer
+    dialects: tuple[str, ...]
+    verify: bool = False
+    timings: list[tuple[str, float, int]] = field(default_factory=list)   # (pass, seconds, nodes after)
+
+
+def add_backward_and_update(ctx: Context) -> int:
+    """Autodiff w.r.t. every trainable parameter, then the optimizer update as graph code."""
+    g = ctx.graph
+    params = g.inputs_with(Role.PARAM)
+    grads = differentiate(g, g.outputs[0], params)
+    for p in params:
+        if p not in grads:
+            log.info("kiln: parameter %s gets no gradient from this loss; it is not updated", p.source)
+    b = Builder(g, Phase.OPTIMIZER, scope="optimizer")
+    updated = [p for p in params if p in grads]
+    gs = [grads[p] for p in updated]
+    if ctx.optimizer.max_grad_norm is not None and gs:
+        gs = clip_by_global_norm(b, gs, ctx.optimizer.max_grad_norm)
+    lr = g.add_input("lr", None, Role.SCALAR, "lr")
+    for p, grad in zip(updated, gs):
+        state = {slot: g.add_input(f"{p.name}__{slot}", _state_meta(p, slot), Role.STATE, f"{p.source}:{slot}")
+                 for slot in ctx.optimizer.slots}
+        b.scope = f"optimizer:{p.source}"
+        ctx.optimizer.emit_update(b, p, grad, state, lr)
+    return len(updated)
+
+
+def _state_meta(p: Value, slot: str):
+    import torch
+    from kiln.ir.graph import TensorMeta
+    if slot == "step":
+        return TensorMeta((), torch.float32, (), torch.device("cpu"))
+    return p.meta
+
+
+Pass = tuple[str, Callable[[Context], object]]
+
+PIPELINE: list[Pass] = [
+    # forward graph, as captured by torch.export
+    ("canonicalize", lambda c: canonicalize(c.graph)),            # composite ops -> ops with backward kernels
+    ("lower_dialects", lambda c: lower_dialects(c.graph, c.dialects)),  # attention -> chosen dialect's kernels
+    ("remove_noops", lambda c: remove_noops(c.graph)),
+    ("cse", lambda c: common_subexpression_elimination(c.graph)),
+    ("dce", lambda c: dead_code_elimination(c.graph)),
+    # the training graph: forward + backward + update
+    ("autodiff+optimizer", add_backward_and_update),
+    ("remove_noops", lambda c: remove_noops(c.graph)),
+    ("cse", lambda c: common_subexpression_elimination(c.graph)),
+    ("dce", lambda c: dead_code_elimination(c.graph)),
+    ("dispatch", lambda c: dispatch(c.graph, c.dialects)),       # each node -> a dialect's kernel
+]
+
+
+def run_pipeline(ctx: Context) -> Context:
+    dump = os.environ.get("KILN_DUMP") == "1"
+    for name, fn in PIPELINE:
+        t0 = time.perf_counter()
+        fn(ctx)
+        ctx.timings.append((name, time.perf_counter() - t0, len(ctx.graph.nodes)))
+        if ctx.verify:
+            verify(ctx.graph, name)
+        if dump:
+            print(f"==== after {name} ({len(ctx.graph.nodes)} nodes) ====\n{format_graph(ctx.graph)}")
+    return ctx

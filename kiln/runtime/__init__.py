@@ -1,0 +1,1 @@
+"""Runtime: generated step functions, the signature cache, and the compiled-step object."""

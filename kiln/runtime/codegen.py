@@ -1,0 +1,53 @@
+"""Training graph -> one straight-line Python function that calls the chosen kernels directly.
+
+Each tensor is deleted right after its last use, so forward activations live exactly as long as the
+backward needs them. What `step.source()` shows is exactly the code that runs.
+"""
+from __future__ import annotations
+
+import itertools
+import linecache
+from typing import Callable
+
+from kiln.ir.graph import Graph, Role
+from kiln.ir.printer import Symbols, annotate, call_line
+
+_counter = itertools.count()
+
+
+def generate(graph: Graph, name: str = "kiln_step") -> tuple[str, Callable]:
+    syms = Symbols()
+    last_use: dict = {}
+    for i, n in enumerate(graph.nodes):
+        for v in n.inputs:
+            last_use[v] = i
+    keep = set(graph.outputs) | {new for _, new in graph.mutations} | set(graph.inputs)
+
+    params = ", ".join(v.name for v in graph.inputs)
+    lines = [f"def {name}({params}):"]
+    phase = None
+    for i, n in enumerate(graph.nodes):
+        if n.phase is not phase:
+            phase = n.phase
+            lines.append(f"    # ---- {phase.value} ----")
+        lines.append("    " + call_line(n, syms) + annotate(n))
+        dead = [v.name for v in n.inputs if last_use.get(v) == i and v not in keep]
+        dead += [o.name for o in n.outputs if o not in last_use and o not in keep]
+        if dead:
+            lines.append(f"    del {', '.join(dict.fromkeys(dead))}")
+    if graph.mutations:
+        lines.append("    # ---- buffer updates ----")
+        for target, new in graph.mutations:
+            lines.append(f"    {target.name}.copy_({new.name})")
+    lines.append(f"    return {graph.outputs[0].name}")
+    source = "\n".join(lines) + "\n"
+
+    filename = f"<kiln-step-{next(_counter)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show lines
+    namespace = dict(syms.globals)
+    exec(compile(source, filename, "exec"), namespace)
+    return source, namespace[name]
+
+
+def input_roles(graph: Graph) -> list[tuple[Role, str]]:
+    return [(v.role, v.source) for v in graph.inputs]

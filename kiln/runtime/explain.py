@@ -1,0 +1,40 @@
+"""`kiln.explain(step)`: a table of every op in the compiled step, its dialect and its output."""
+from __future__ import annotations
+
+import collections
+import sys
+
+from kiln.errors import KilnError
+
+
+def explain(step, file=None) -> str:
+    prog = step._program() if hasattr(step, "_program") else None
+    if prog is None:
+        raise KilnError("kiln.explain expects the object returned by kiln.compile")
+    g = prog.graph
+    rows = []
+    for i, n in enumerate(g.nodes):
+        out = ", ".join(str(o.meta) for o in n.outputs if o.meta is not None) or "-"
+        dialect = n.impl.label if n.impl is not None else "-"
+        if n.op.name.startswith("kiln.fallback"):
+            dialect += " (FALLBACK: torch.func.vjp)"
+        rows.append((str(i), n.phase.value, n.op.name, dialect, out, n.scope))
+    head = ("#", "phase", "op", "dialect", "output", "module")
+    widths = [max(len(r[c]) for r in rows + [head]) for c in range(len(head))]
+    widths[-1] = 0
+    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    lines = [fmt(head), fmt(tuple("-" * max(w, 1) for w in widths[:-1]) + ("------",))]
+    lines += [fmt(r) for r in rows]
+    by_phase = collections.Counter(n.phase.value for n in g.nodes)
+    by_dialect = collections.Counter((n.impl.label if n.impl else "-") for n in g.nodes)
+    fallbacks = [f"{n.op.name} ({n.scope or '<top>'})" for n in g.nodes if n.op.name == "kiln.fallback_forward"]
+    lines.append("")
+    lines.append(f"{len(g.nodes)} ops: " + ", ".join(f"{k} {v}" for k, v in by_phase.items()) +
+                 " | dialects: " + ", ".join(f"{k} {v}" for k, v in sorted(by_dialect.items())))
+    lines.append(f"compiled in {prog.compile_seconds:.2f}s; passes: " +
+                 ", ".join(f"{name} {sec * 1000:.0f}ms" for name, sec, _ in prog.timings))
+    if fallbacks:
+        lines.append("gradient fallbacks (no VJP rule; torch.func.vjp): " + "; ".join(fallbacks))
+    text = "\n".join(lines)
+    print(text, file=file or sys.stdout)
+    return text

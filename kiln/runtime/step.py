@@ -1,0 +1,175 @@
+"""`CompiledStep`: what `kiln.compile` returns. Caches one program per input signature and runs it."""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from kiln.capture import capture
+from kiln.dialects import registry as dialect_registry
+from kiln.errors import InputError, KilnError
+from kiln.ir.graph import Graph, Role
+from kiln.optim import Optimizer
+from kiln.passes.pipeline import Context, run_pipeline
+from kiln.runtime.codegen import generate
+
+log = logging.getLogger("kiln")
+
+
+@dataclass
+class Program:
+    """One compiled training step for one input signature."""
+
+    graph: Graph
+    source: str
+    fn: Callable
+    fetch: list[Callable[[list, float], Any]]     # one per graph input: (user leaves, lr) -> value
+    compile_seconds: float
+    timings: list
+
+
+def _leaf_key(x: Any):
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+    if isinstance(x, (int, float, bool, str, type(None))):
+        return ("V", type(x).__name__, x)
+    raise InputError(f"step() got an input of type {type(x).__name__}; pass tensors, Python numbers, "
+                     "strings, None, or lists/tuples/dicts of them")
+
+
+class CompiledStep:
+    """Forward + backward + optimizer update of `model` as one compiled program per input signature.
+
+    Call it like the model (or like `loss_fn` without its first argument): it returns the loss
+    (detached) and updates the module's parameters in place.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: Optimizer, loss_fn: Callable | None = None,
+                 dialects=None, max_programs: int = 8, verify: bool = False):
+        if not isinstance(model, torch.nn.Module):
+            raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, Optimizer):
+            raise KilnError("optimizer must be a kiln.optim optimizer (kiln.optim.AdamW(...) or kiln.optim.SGD(...)), "
+                            f"got {type(optimizer).__name__}")
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.params = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self.params[name] = p
+        if not self.params:
+            raise KilnError(f"{type(model).__name__} has no trainable parameters (all requires_grad=False)")
+        self.dialects = dialect_registry.check_names(dialects) if dialects is not None else None
+        self.max_programs = max_programs
+        self.verify = verify
+        self.state: dict[str, dict[str, torch.Tensor]] = {n: optimizer.init_state(p) for n, p in self.params.items()}
+        self.programs: "collections.OrderedDict[tuple, Program]" = collections.OrderedDict()
+        self.last: Program | None = None
+
+    # ---- running ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs = dict(sorted(kwargs.items()))
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        names = self.dialects or dialect_registry.enabled()
+        key = (str(spec), tuple(_leaf_key(x) for x in leaves), self.model.training, names)
+        prog = self.programs.get(key)
+        if prog is None:
+            if len(self.programs) >= self.max_programs:
+                raise InputError(
+                    f"kiln has compiled {len(self.programs)} programs for {type(self.model).__name__} (max_programs="
+                    f"{self.max_programs}); every new input shape/dtype compiles another. Pad or bucket inputs to a few "
+                    "fixed shapes, or pass a larger max_programs= to kiln.compile")
+            prog = self._compile(args, kwargs, names)
+            self.programs[key] = prog
+        self.last = prog
+        lr = self.optimizer.lr
+        inputs = [f(leaves, lr) for f in prog.fetch]
+        with torch.no_grad():
+            loss = prog.fn(*inputs)
+        return loss.detach()
+
+    def _compile(self, args, kwargs, names) -> Program:
+        t0 = time.perf_counter()
+        captured, constants = capture(self.model, self.loss_fn, args, kwargs)
+        ctx = run_pipeline(Context(captured.graph, self.optimizer, names, verify=self.verify))
+        source, fn = generate(ctx.graph)
+        fetch = [self._fetcher(v, constants) for v in ctx.graph.inputs]
+        seconds = time.perf_counter() - t0
+        fallbacks = sum(n.op.name == "kiln.fallback_forward" for n in ctx.graph.nodes)
+        log.info("kiln: compiled %s in %.2fs: %d nodes%s", type(self.model).__name__, seconds, len(ctx.graph.nodes),
+                 f", {fallbacks} fallback(s)" if fallbacks else "")
+        return Program(ctx.graph, source, fn, fetch, seconds, ctx.timings)
+
+    def _fetcher(self, v, constants) -> Callable[[list, float], Any]:
+        if v.role in (Role.PARAM, Role.FROZEN, Role.BUFFER):
+            module_tensors = dict(self.model.named_parameters(remove_duplicate=False))
+            module_tensors.update(self.model.named_buffers(remove_duplicate=False))
+            t = module_tensors[v.source]
+            return lambda leaves, lr: t
+        if v.role is Role.CONSTANT:
+            t = constants[v.source]
+            return lambda leaves, lr: t
+        if v.role is Role.INPUT:
+            i = int(v.source)
+            return lambda leaves, lr: leaves[i]
+        if v.role is Role.STATE:
+            pname, slot = v.source.rsplit(":", 1)
+            name = self._state_name(pname)
+            return lambda leaves, lr: self.state[name][slot]
+        if v.role is Role.SCALAR:
+            return lambda leaves, lr: lr
+        raise KilnError(f"graph input {v.name} has no role")
+
+    def _state_name(self, pname: str) -> str:
+        """The parameter name under which optimizer state is kept (tied weights share one entry)."""
+        if pname in self.state:
+            return pname
+        target = dict(self.model.named_parameters(remove_duplicate=False))[pname]
+        return next(n for n, p in self.params.items() if p is target)
+
+    # ---- looking inside --------------------------------------------------------------------
+    def _program(self) -> Program:
+        if self.last is None:
+            raise KilnError("nothing compiled yet: call the step once with a batch first")
+        return self.last
+
+    @property
+    def graph(self) -> Graph:
+        return self._program().graph
+
+    def source(self) -> str:
+        """The generated Python of the most recently used program: forward, backward and update."""
+        return self._program().source
+
+    def explain(self, file=None) -> str:
+        from kiln.runtime.explain import explain
+        return explain(self, file=file)
+
+    # ---- checkpointing ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Optimizer state (per parameter name) and hyper-parameters; tensors are copies."""
+        return {"optimizer": type(self.optimizer).__name__, "hyperparameters": self.optimizer.hyperparameters(),
+                "state": {n: {k: t.clone() for k, t in s.items()} for n, s in self.state.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("optimizer") != type(self.optimizer).__name__:
+            raise KilnError(f"state_dict is for {sd.get('optimizer')}, this step uses {type(self.optimizer).__name__}")
+        missing = set(self.state) - set(sd["state"])
+        unexpected = set(sd["state"]) - set(self.state)
+        if missing or unexpected:
+            raise KilnError(f"state_dict does not fit this model: missing {sorted(missing)[:5]}, "
+                            f"unexpected {sorted(unexpected)[:5]}")
+        for n, slots in sd["state"].items():
+            for k, t in slots.items():
+                if self.state[n][k].shape != t.shape:
+                    raise KilnError(f"state_dict: {n}.{k} has shape {tuple(t.shape)}, expected "
+                                    f"{tuple(self.state[n][k].shape)}")
+        for n, slots in sd["state"].items():       # checked everything first: nothing half-loaded
+            for k, t in slots.items():
+                self.state[n][k].copy_(t)
+        for k, v in sd.get("hyperparameters", {}).items():
+            setattr(self.optimizer, k, tuple(v) if isinstance(v, list) else v)
