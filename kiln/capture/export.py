@@ -72,8 +72,8 @@ class Captured:
 @contextlib.contextmanager
 def _training_config(model: torch.nn.Module):
     """Hugging Face models: no KV cache while training (caches are inference state)."""
-    configs = {m.config for m in model.modules() if hasattr(getattr(m, "config", None), "use_cache")}
-    saved = [(c, c.use_cache) for c in configs]
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "use_cache")}
+    saved = [(c, c.use_cache) for c in configs.values()]
     try:
         for c, _ in saved:
             c.use_cache = False

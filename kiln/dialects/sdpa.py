@@ -9,6 +9,7 @@ import torch
 
 from kiln.dialects.aten import expand_kv_heads, sdpa_args
 from kiln.dialects.registry import dialect, lowering
+from kiln.ir.graph import Role, depends_on
 
 aten = torch.ops.aten
 
@@ -22,6 +23,8 @@ def _flash_cpu_ok(n) -> bool:
         return False
     if causal and mask is not None:
         return False
+    if mask is not None and depends_on(mask, {Role.PARAM}):
+        return False          # a learned bias in the mask (T5): the fused backward gives it no gradient
     floats = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     return len(q.meta.shape) == 4 and q.meta.dtype in floats and k.meta.dtype == q.meta.dtype
 

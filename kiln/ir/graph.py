@@ -117,6 +117,21 @@ def tree_map_values(fn: Callable[[Value], Any], obj: Any) -> Any:
     return obj
 
 
+def depends_on(v: Value, roles: set) -> bool:
+    """Whether v is computed from a graph input with one of `roles` (e.g. a trainable parameter)."""
+    seen, stack = set(), [v]
+    while stack:
+        x = stack.pop()
+        if x.uid in seen:
+            continue
+        seen.add(x.uid)
+        if x.role in roles:
+            return True
+        if x.producer is not None:
+            stack.extend(x.producer.inputs)
+    return False
+
+
 @dataclass(eq=False)
 class Node:
     """One op application. `args`/`kwargs` hold Values and Python constants (nested lists allowed)."""
@@ -157,16 +172,21 @@ class Graph:
         self.nodes: list[Node] = []
         self.outputs: list[Value] = []          # outputs[0] is the loss
         self.mutations: list[tuple[Value, Value]] = []
-        self._names: dict[str, int] = {}
+        self._names: dict[str, int] = {}     # base name -> last suffix tried
+        self._used: set[str] = set()
 
     # ---- naming -------------------------------------------------------------------------
     def fresh_name(self, hint: str) -> str:
         base = "".join(c if (c.isalnum() or c == "_") else "_" for c in hint) or "t"
         if base[0].isdigit() or keyword.iskeyword(base) or base in _RESERVED:
             base = "t" + base
-        n = self._names.get(base, 0)
-        self._names[base] = n + 1
-        return base if n == 0 else f"{base}_{n}"
+        name, n = base, self._names.get(base, 0)
+        while name in self._used:
+            n += 1
+            name = f"{base}_{n}"
+        self._names[base] = n
+        self._used.add(name)
+        return name
 
     # ---- building -----------------------------------------------------------------------
     def add_input(self, hint: str, meta: TensorMeta | None, role: Role, source: str | None = None) -> Value:

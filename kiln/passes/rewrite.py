@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kiln.ir.builder import Builder
+import torch
+from torch._ops import OpOverload
+
+from kiln.ir.builder import Builder, infer_metas
 from kiln.ir.graph import Graph, Value, tree_map_values
 
+aten = torch.ops.aten
 Rule = Callable[[Builder, object], "list[Value] | Value | None"]
 
 
@@ -30,8 +34,11 @@ def _one_round(graph: Graph, rules: dict) -> int:
     fix = lambda v: subst.get(v, v)  # noqa: E731
     new_nodes = []
     changed = 0
+    dirty: set[Value] = set()        # values whose strides may differ from what capture recorded
     for n in graph.nodes:
         n.args, n.kwargs = tree_map_values(fix, n.args), tree_map_values(fix, n.kwargs)
+        if dirty and any(v in dirty for v in n.inputs) and _refresh_metas(n):
+            dirty.update(n.outputs)
         rule = rules.get(n.target)
         result = None
         if rule is not None:
@@ -45,9 +52,30 @@ def _one_round(graph: Graph, rules: dict) -> int:
         for old, new in zip(n.outputs, results):
             if new is not None and new is not old:
                 subst[old] = new
+                if new.meta != old.meta:
+                    dirty.add(new)
         new_nodes.extend(b.dest)
         changed += 1
     graph.nodes = new_nodes
     graph.outputs = [fix(v) for v in graph.outputs]
     graph.mutations = [(t, fix(v)) for t, v in graph.mutations]
+    return changed
+
+
+def _refresh_metas(n) -> bool:
+    """Re-infer n's output metas after its inputs were replaced. Returns whether any changed."""
+    if not isinstance(n.target, OpOverload):
+        return False
+    try:
+        metas = infer_metas(n.target, n.args, n.kwargs)
+    except RuntimeError:
+        if n.target not in (aten.view.default, aten._unsafe_view.default):
+            raise
+        # the captured view relied on the strides of the op we replaced; reshape copies when it must
+        n.target = aten.reshape.default
+        metas = infer_metas(n.target, n.args, n.kwargs)
+    changed = False
+    for v, m in zip(n.outputs, metas):
+        if m is not None and v.meta != m:
+            v.meta, changed = m, True
     return changed
