@@ -100,26 +100,79 @@ def _meta(val: Any) -> TensorMeta | None:
 def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwargs: dict) -> tuple[Captured, dict]:
     """Export model+loss on (args, kwargs). Returns the capture and {constant name: tensor}."""
     wrapper = LossModule(model, loss_fn)
+    stack: list[str] = []
     try:
-        with _training_config(model):
+        with _training_config(model), _module_tracker(model, stack), _quiet_torch_logs():
             ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
         ep = ep.run_decompositions({})
     except KilnError:
         raise
-    except Exception as e:  # export errors carry the user's stack; keep it, name the model
+    except Exception as e:
         cause = e
         while cause is not None and not isinstance(cause, KilnError):
             cause = cause.__cause__ or cause.__context__
         if cause is not None:
             raise cause from None
-        raise CaptureError(f"torch.export could not capture {type(model).__name__}.forward: "
-                           f"{type(e).__name__}: {_first_lines(str(e))}") from e
+        raise CaptureError(_describe_failure(model, stack, e)) from e
     return _to_kiln(ep, model, args, kwargs)
 
 
-def _first_lines(msg: str, n: int = 12) -> str:
-    lines = msg.strip().splitlines()
-    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch.export logs its internal graphs as warnings on failure; Kiln reports the failure itself."""
+    import logging
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _module_tracker(model: torch.nn.Module, stack: list[str]):
+    """Keep the path of the module whose forward is running, so capture errors can name it."""
+    handles = []
+    for name, mod in model.named_modules():
+        handles.append(mod.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
+        handles.append(mod.register_forward_hook(lambda m, a, o: _pop(stack)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _pop(stack: list) -> None:   # a forward hook must return None, or it replaces the output
+    if stack:
+        stack.pop()
+
+
+def _user_frame(e: BaseException) -> str:
+    """file:line and code of the innermost frame outside torch and kiln."""
+    import os
+    import traceback
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno}" + (f": `{f.line.strip()}`" if f.line else "")
+
+
+def _describe_failure(model, stack: list[str], e: Exception) -> str:
+    where = stack[-1] if stack else ""
+    mod = model.get_submodule(where) if where else model
+    path = f"module `{where}` ({type(mod).__name__})" if where else f"{type(model).__name__}.forward"
+    frame = _user_frame(e)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    hint = ""
+    if "data-dependent" in str(e) or "DataDependent" in type(e).__name__:
+        hint = ("\n  hint: Python control flow or .item()/.tolist() on a tensor's value; the forward must "
+                "branch on shapes only (use torch.where / masking instead)")
+    return (f"torch.export could not capture the forward, in {path}" + (f" at {frame}" if frame else "") +
+            f":\n  {type(e).__name__}: {first}{hint}")
 
 
 def _to_kiln(ep, model, args, kwargs) -> tuple[Captured, dict]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kiln.dialects.aten import expand_kv_heads, sdpa_args
-from kiln.dialects.registry import dialect, lowering
+from kiln.dialects.registry import dialect, kernel, lowering
 from kiln.ir.graph import Role, depends_on
 
 aten = torch.ops.aten
@@ -45,3 +45,7 @@ def sdpa_flash_cpu(b, n):
 
 
 lowering(SDPA, aten.scaled_dot_product_attention.default, sdpa_flash_cpu, checker=_flash_cpu_ok, name="flash")
+# the fused kernels the lowering emits (and the VJP rule's backward kernel) belong to this dialect
+for _op in (aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
+    kernel(SDPA, _op, _op, name="flash")

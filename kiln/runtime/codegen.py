@@ -15,7 +15,9 @@ from kiln.ir.printer import Symbols, annotate, call_line
 _counter = itertools.count()
 
 
-def generate(graph: Graph, name: str = "kiln_step") -> tuple[str, Callable]:
+def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False) -> tuple[str, Callable]:
+    """Source and function of `graph`. The function returns outputs[0] (the loss), or, with
+    `return_all`, a tuple of every graph output (used by the VJP tests to read the gradients)."""
     syms = Symbols()
     last_use: dict = {}
     for i, n in enumerate(graph.nodes):
@@ -39,7 +41,10 @@ def generate(graph: Graph, name: str = "kiln_step") -> tuple[str, Callable]:
         lines.append("    # ---- buffer updates ----")
         for target, new in graph.mutations:
             lines.append(f"    {target.name}.copy_({new.name})")
-    lines.append(f"    return {graph.outputs[0].name}")
+    if return_all:
+        lines.append(f"    return ({''.join(v.name + ', ' for v in graph.outputs)})")
+    else:
+        lines.append(f"    return {graph.outputs[0].name}")
     source = "\n".join(lines) + "\n"
 
     filename = f"<kiln-step-{next(_counter)}>"

@@ -1,0 +1,176 @@
+"""`kiln bench`: the command line of the benchmark harness.
+
+``register(subparsers)`` is called by ``kiln/cli.py``; it adds
+
+* ``kiln bench [options]``: run the modes, print the table, optionally write
+  ``--json`` and ``--plot``;
+* ``kiln bench report JSON [--out FILE] [--image FILE]``: render a JSON report
+  as Markdown (how docs/benchmarks.md is made).
+
+Every handler returns an exit code: 0 when all modes ran or were reported as
+not available, 1 when a mode failed, 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from kiln.bench import modes, report, zoo
+
+DEFAULT_MODES = "eager,eager-bf16,kiln"
+
+DESCRIPTION = """\
+Train the same model for a few steps in several modes (eager PyTorch, autocast
+bf16, torch.compile, Kiln), each in a fresh process with the same seed and data,
+and compare them side by side: time to first step (compilation included), step
+time (median, min-max), throughput, achieved model FLOP/s and its fraction of
+this machine's measured peak matmul rate, peak memory, and the loss.
+
+examples:
+  kiln bench                                   # llama, modes eager,eager-bf16,kiln
+  kiln bench --model gpt2 --modes eager,compile,kiln --steps 10 --json out.json --plot out.png
+  kiln bench --model llama-32k --batch 4       # a real vocabulary: logits memory shows
+  kiln bench report out.json --out docs/benchmarks.md   # Markdown + chart from a JSON report
+
+models: {models}
+modes:  {modes}
+For vit and resnet, --seq is the image side in pixels and --vocab the number of classes.
+"""
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "bench", help="benchmark eager / torch.compile / Kiln training side by side",
+        description=DESCRIPTION.format(models=", ".join(zoo.MODELS), modes=", ".join(modes.MODES)),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(parser)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{report}")
+    rep = sub.add_parser("report", help="render a --json report as Markdown plus a chart",
+                         description=report.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_arguments(rep)
+    # One handler for both: argparse's precedence between parent and sub-parser
+    # defaults has changed across Python versions.
+    parser.set_defaults(func=handle)
+    return parser
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama", help=f"zoo model (default llama): {', '.join(zoo.MODELS)}")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated modes (default {DEFAULT_MODES})")
+    p.add_argument("--baseline", help="mode the ratios are against (default eager, else the first mode)")
+    p.add_argument("--size", default="default", choices=list(zoo.SIZES),
+                   help="size preset; flags below override it (default: default)")
+    for name, text in (("layers", "transformer layers (resnet: residual blocks)"), ("hidden", "hidden size"),
+                       ("heads", "attention heads"), ("intermediate", "MLP width"),
+                       ("seq", "sequence length (vit/resnet: image side)"), ("batch", "batch size"),
+                       ("vocab", "vocabulary size (vit/resnet: classes)")):
+        p.add_argument(f"--{name}", type=int, help=text)
+    p.add_argument("--steps", type=int, default=5, help="measured steps per mode (default 5)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="unmeasured warm-up steps, the first (compiling) step included (default 3)")
+    p.add_argument("--budget", type=float, default=120.0,
+                   help="seconds per mode for the measured steps (warm-up: half): stop before a step "
+                        "that would overrun it, after at least one; 0 = no budget (default 120)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="kill a mode after this many seconds "
+                   "and report it as failed (default 1800)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
+    p.add_argument("--json", metavar="FILE", help="write every figure and the machine description here")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of step time and peak memory here")
+    p.add_argument("--no-peak", action="store_true", help="skip measuring the peak matmul rate")
+
+
+def handle(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_command", None) == "report":
+        return report.run(args)
+    return run(args)
+
+
+def _fail(message: str) -> int:
+    print(f"kiln bench: error: {message}", file=sys.stderr)
+    return 2
+
+
+def build_config(args: argparse.Namespace) -> dict:
+    """Validate the arguments into the runner's config; raises ValueError with a user message."""
+    names = modes.parse_modes(args.modes)
+    overrides = {k: getattr(args, k) for k in zoo.OVERRIDABLE if getattr(args, k) is not None}
+    resolved = zoo.resolve(args.model, args.size, **overrides)
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if args.warmup < 1:
+        raise ValueError(f"--warmup must be at least 1 (the first step always warms up), got {args.warmup}")
+    if args.budget < 0 or args.timeout <= 0:
+        raise ValueError("--budget must be >= 0 and --timeout > 0")
+    baseline = args.baseline or ("eager" if "eager" in names else names[0])
+    if baseline not in names:
+        raise ValueError(f"--baseline {baseline} is not one of --modes ({', '.join(names)})")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise ValueError(f"{flag} {path}: directory {folder} does not exist")
+    config = {"model": args.model, "size": args.size, "overrides": overrides, "resolved": resolved,
+              "seed": args.seed, "steps": args.steps, "warmup": args.warmup, "budget_s": args.budget,
+              "modes": names, "baseline": baseline}
+    parts = ["kiln bench", "--model", args.model, "--modes", ",".join(names), "--size", args.size]
+    parts += [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
+    parts += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", f"{args.budget:g}"]
+    parts += [x for flag, v in (("--json", args.json), ("--plot", args.plot)) if v for x in (flag, v)]
+    config["command"] = " ".join(shlex.quote(p) if i else p for i, p in enumerate(parts))
+    return config
+
+
+class _Display:
+    """Progress lines on stderr: which mode runs, its phase, and elapsed time."""
+
+    def __init__(self, progress, total: int):
+        self.progress, self.total, self.index, self.task = progress, total, 0, None
+
+    def start(self, label: str) -> None:
+        self.index += 1
+        self.label = f"[{self.index}/{self.total}] {label}"
+        self.task = self.progress.add_task(self.label, total=None)
+
+    def tick(self, phase: str, elapsed: float) -> None:
+        self.progress.update(self.task, description=f"{self.label}: {phase}")
+
+    def done(self, result: dict) -> None:
+        status = {"ok": "[green]done", "unavailable": "[yellow]not available"}.get(result["status"], "[red]failed")
+        self.progress.update(self.task, description=f"{self.label}: {status}", total=1, completed=1)
+        self.progress.stop_task(self.task)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = build_config(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from kiln.bench import render, runner
+
+    err = Console(stderr=True)
+    total = len(config["modes"]) + (0 if args.no_peak else 1)
+    with Progress(SpinnerColumn(finished_text="-"), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=err) as progress:
+        display = _Display(progress, total)
+        result = runner.run(config, args.timeout, on_start=display.start, tick=display.tick,
+                            on_done=display.done, measure_peak=not args.no_peak)
+
+    out = Console()
+    out.print(render.rich_table(result))
+    for note in render.notes(result):
+        out.print(f"  {note}", markup=False, highlight=False)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        out.print(f"wrote {args.json}", markup=False, highlight=False)
+    if args.plot:
+        from kiln.bench import plot
+
+        plot.save(result, args.plot)
+        out.print(f"wrote {args.plot}", markup=False, highlight=False)
+    return 1 if any(r["status"] == "failed" for r in result["results"]) else 0

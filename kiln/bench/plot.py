@@ -1,0 +1,53 @@
+"""Bar chart of a benchmark report: step time and peak memory per mode (PNG).
+
+Uses matplotlib's Agg backend so it works on machines without a display.
+Modes that failed or were unavailable keep their slot with a label, so the
+chart shows what was attempted, not only what worked.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def save(report: dict, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    results = report.get("results", [])
+    names = [r["mode"] for r in results]
+    ok = [r["status"] == "ok" for r in results]
+    median = [r["step_median_s"] if good else 0.0 for r, good in zip(results, ok)]
+    # Whiskers from the fastest to the slowest measured step.
+    low = [r["step_median_s"] - r["step_min_s"] if good else 0.0 for r, good in zip(results, ok)]
+    high = [r["step_max_s"] - r["step_median_s"] if good else 0.0 for r, good in zip(results, ok)]
+    memory = [(r.get("peak_rss_bytes") or 0) / 2 ** 20 if good else 0.0 for r, good in zip(results, ok)]
+    colors = ["#c0392b" if n.startswith("kiln") else "#2e86c1" if n.startswith("compile") else "#7f8c8d"
+              for n in names]
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 0.55 * len(names) + 1.8))
+    y = list(range(len(names)))
+    ax_t.barh(y, median, xerr=[low, high], color=colors, capsize=3)
+    ax_t.set_title("Step time, median (min-max)")
+    ax_t.set_xlabel("seconds per training step (lower is better)")
+    ax_m.barh(y, memory, color=colors)
+    ax_m.set_title("Peak RSS during measured steps")
+    ax_m.set_xlabel("MiB (lower is better)")
+    for ax, values in ((ax_t, median), (ax_m, memory)):
+        ax.set_yticks(y, names)
+        ax.invert_yaxis()  # first mode on top, as in the table
+        top = max(values, default=0) or 1.0
+        for i, (value, r) in enumerate(zip(values, results)):
+            text = (f"{value:.3g}" if r["status"] == "ok"
+                    else "not available" if r["status"] == "unavailable" else "failed")
+            ax.text(value + top * 0.02, i, text, va="center", fontsize=8)
+        ax.set_xlim(0, top * 1.3)
+    cfg = report.get("config", {})
+    fig.suptitle(f"kiln bench: {cfg.get('model')} on {report.get('machine', {}).get('cpu', '?')}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,123 @@
+"""Turn a benchmark report (the JSON dict) into table rows, a rich table or Markdown.
+
+The terminal table and the Markdown in docs/benchmarks.md come from the same
+``rows()`` so they can never disagree.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+COLUMNS = [
+    ("mode", "Mode"), ("status", "Status"), ("ttfs", "First step"), ("median", "Step (median)"),
+    ("spread", "Step min-max"), ("speedup", "Speed vs base"), ("rate", "{unit}/s"),
+    ("flops", "Model FLOP/s"), ("peak", "% of peak"), ("memory", "Peak RSS"),
+    ("mem_ratio", "Memory vs base"), ("loss", "Loss first -> last"), ("steps", "Steps"),
+]
+
+
+def seconds(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s" if x < 100 else f"{x:.0f} s"
+
+
+def rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
+
+
+def flop_rate(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x / 1e12:.2f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
+
+
+def mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2 ** 20:,.0f} MiB"
+
+
+def ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def headers(report: dict) -> list[str]:
+    unit = report.get("config", {}).get("unit", "items")
+    return [title.format(unit=unit) for _, title in COLUMNS]
+
+
+def status_text(r: dict) -> str:
+    return {"ok": "ok", "unavailable": "not available"}.get(r["status"], "failed")
+
+
+def rows(report: dict) -> list[list[str]]:
+    """One row of formatted cells per mode, in COLUMNS order."""
+    baseline = report.get("config", {}).get("baseline")
+    out = []
+    for r in report.get("results", []):
+        cells: dict[str, Any] = {key: "-" for key, _ in COLUMNS}
+        cells["mode"] = r["mode"] + (" (base)" if r["mode"] == baseline else "")
+        cells["status"] = status_text(r)
+        if r["status"] == "ok":
+            frac = r.get("peak_fraction")
+            cells.update(
+                ttfs=seconds(r["ttfs_s"]), median=seconds(r["step_median_s"]),
+                spread=f"{seconds(r['step_min_s'])} - {seconds(r['step_max_s'])}",
+                speedup=ratio(r.get("speedup_vs_baseline")), rate=rate(r["items_per_s"]),
+                flops=flop_rate(r["achieved_flops_per_s"]),
+                peak="-" if frac is None else f"{100 * frac:.1f}% {r['dtype']}",
+                memory=mib(r.get("peak_rss_bytes")), mem_ratio=ratio(r.get("memory_vs_baseline")),
+                loss=f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}",
+                steps=f"{r['measured_steps']}" + ("*" if r.get("budget_truncated") else ""))
+        out.append([str(cells[key]) for key, _ in COLUMNS])
+    return out
+
+
+def notes(report: dict) -> list[str]:
+    """Why modes failed or were unavailable, and other caveats, one line each."""
+    lines = []
+    for r in report.get("results", []):
+        if r["status"] == "unavailable":
+            lines.append(f"{r['mode']}: not available: {r.get('reason')}")
+        elif r["status"] != "ok":
+            lines.append(f"{r['mode']}: failed: {r.get('error')}")
+    if any(r.get("budget_truncated") for r in report.get("results", [])):
+        budget = report.get("config", {}).get("budget_s")
+        lines.append(f"*: fewer measured steps than asked: the next step would have overrun "
+                     f"the {budget:g} s time budget (--budget)")
+    base = report.get("config", {}).get("baseline")
+    if base and not any(r["mode"] == base and r["status"] == "ok" for r in report.get("results", [])):
+        lines.append(f"baseline {base} did not run, so there are no ratios")
+    if "error" in report.get("peak_matmul", {}):
+        lines.append(f"peak matmul rate not measured: {report['peak_matmul']['error']}")
+    return lines
+
+
+def rich_table(report: dict):
+    """A rich Table of the results (import of rich kept local: report.py needs none)."""
+    from rich.table import Table
+
+    cfg = report.get("config", {})
+    table = Table(title=f"kiln bench: {cfg.get('model')} "
+                        f"({describe_size(cfg)})", title_justify="left")
+    for i, title in enumerate(headers(report)):
+        table.add_column(title, justify="left" if i < 2 else "right", no_wrap=i == 0)
+    style = {"ok": "", "not available": "dim", "failed": "red"}
+    for row in rows(report):
+        table.add_row(*row, style=style.get(row[1], ""))
+    return table
+
+
+def describe_size(cfg: dict) -> str:
+    p = cfg.get("resolved", {})
+    parts = [f"{k} {p[k]}" for k in ("layers", "hidden", "heads", "intermediate", "vocab", "batch", "seq")
+             if k in p]
+    if cfg.get("params"):
+        parts.insert(0, f"{cfg['params'] / 1e6:.1f}M params")
+    return ", ".join(parts)
+
+
+def markdown_table(report: dict) -> str:
+    head = headers(report)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
+    for row in rows(report):
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+    return "\n".join(lines)

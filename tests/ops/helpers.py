@@ -1,0 +1,177 @@
+"""Kiln's VJP rules versus torch.autograd, one ATen op call at a time.
+
+`kiln_vjp` builds a Kiln graph by hand around a single op call (floating tensors become trainable
+parameters, everything else plain inputs), forms the scalar loss sum_i sum(out_i * cot_i), lets Kiln's
+own autodiff differentiate it, and runs the generated code. `torch_vjp` computes the same gradients
+with torch.autograd on the same OpOverload. `check_vjp` compares the two.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+import kiln.autodiff
+from kiln.ir.builder import Builder
+from kiln.ir.graph import Graph, Phase, Role, TensorMeta
+from kiln.passes.dispatch import dispatch
+from kiln.runtime.codegen import generate
+
+aten = torch.ops.aten
+
+
+def _is_param(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype.is_floating_point
+
+
+def flat_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside args/kwargs (lists, tuples and dicts included), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in flat_tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in flat_tensors(x)]
+    return []
+
+
+def _map_tensors(fn, obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(fn, x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(fn, x) for k, x in obj.items()}
+    return obj
+
+
+def _as_list(out: Any) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def float_outputs(outs: Sequence) -> list[int]:
+    return [i for i, o in enumerate(outs) if _is_param(o)]
+
+
+def run_op(target, args, kwargs=None, seed: int | None = None) -> list:
+    """The op's outputs as a flat list (under `seed` when given)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        return _as_list(target(*args, **(kwargs or {})))
+
+
+def make_cotangents(target, args, kwargs=None, seed: int | None = None, gen_seed: int = 1234) -> list:
+    """A random cotangent for every floating output (None for the others)."""
+    outs = run_op(target, args, kwargs, seed)
+    gen = torch.Generator().manual_seed(gen_seed)
+    return [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) if _is_param(o) else None
+            for o in outs]
+
+
+def kiln_vjp(target, args, kwargs, cotangents, seed: int | None = None, return_outputs: bool = False):
+    """Gradients of sum_i sum(out_i * cot_i) w.r.t. every floating tensor in (args, kwargs), computed
+    by Kiln's autodiff and generated code. Entries are None where Kiln gives no gradient.
+    With `return_outputs`, returns (forward outputs, grads)."""
+    kwargs = kwargs or {}
+    graph = Graph()
+    concrete: list[torch.Tensor] = []
+    params = []
+
+    def to_value(t: torch.Tensor):
+        name = f"p{len(concrete)}" if _is_param(t) else f"x{len(concrete)}"
+        v = graph.add_input(name, TensorMeta.of(t), Role.PARAM if _is_param(t) else Role.INPUT, name)
+        concrete.append(t.detach())
+        if _is_param(t):
+            params.append(v)
+        return v
+
+    vargs, vkwargs = _map_tensors(to_value, (tuple(args), dict(kwargs)))
+    b = Builder(graph, Phase.FORWARD)
+    outs = _as_list(b.emit(target, vargs, vkwargs))
+    assert len(outs) == len(cotangents), (len(outs), len(cotangents))
+    loss = None
+    for i, (o, c) in enumerate(zip(outs, cotangents)):
+        if c is None or not o.is_float:
+            continue
+        cv = graph.add_input(f"cot{i}", TensorMeta.of(c), Role.INPUT, f"cot{i}")
+        concrete.append(c)
+        term = b(aten.sum.default, b(aten.mul.Tensor, o, cv))
+        loss = term if loss is None else b(aten.add.Tensor, loss, term)
+    assert loss is not None, "the op has no floating output to differentiate"
+    graph.outputs = [loss]
+    grads = kiln.autodiff.differentiate(graph, loss, params)
+    have = [p for p in params if p in grads]
+    graph.outputs = [loss] + [grads[p] for p in have] + outs
+    dispatch(graph, ("aten",))
+    _, fn = generate(graph, "kiln_vjp_step", return_all=True)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        result = fn(*concrete)
+    got = dict(zip(have, result[1:1 + len(have)]))
+    out_grads = [got.get(p) for p in params]
+    if return_outputs:
+        return list(result[1 + len(have):]), out_grads
+    return out_grads
+
+
+def torch_vjp(target, args, kwargs, cotangents, seed: int | None = None, return_outputs: bool = False):
+    """The reference: torch.autograd.grad of the same OpOverload call with the same cotangents."""
+    kwargs = kwargs or {}
+    leaves = []
+
+    def leaf(t: torch.Tensor):
+        t = t.detach()
+        if _is_param(t):
+            t = t.requires_grad_()
+            leaves.append(t)
+        return t
+
+    largs, lkwargs = _map_tensors(leaf, (tuple(args), dict(kwargs)))
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.enable_grad():
+        outs = _as_list(target(*largs, **lkwargs))
+        pairs = [(o, c) for o, c in zip(outs, cotangents)
+                 if c is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        if pairs:
+            grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True)
+        else:
+            grads = [None] * len(leaves)
+    if return_outputs:
+        return [o.detach() if isinstance(o, torch.Tensor) else o for o in outs], list(grads)
+    return list(grads)
+
+
+def _is_zero(t) -> bool:
+    return t is None or not bool(t.ne(0).any())
+
+
+def check_vjp(target, args, kwargs=None, *, rtol: float, atol: float, seed: int | None = None,
+              cotangents=None, what: str = "") -> None:
+    """Assert that Kiln's gradients (and forward outputs) match torch.autograd's."""
+    kwargs = kwargs or {}
+    if cotangents is None:
+        cotangents = make_cotangents(target, args, kwargs, seed)
+    k_outs, k_grads = kiln_vjp(target, args, kwargs, cotangents, seed, return_outputs=True)
+    t_outs, t_grads = torch_vjp(target, args, kwargs, cotangents, seed, return_outputs=True)
+    label = f"{target}{' ' + what if what else ''}"
+    for i, (ko, to) in enumerate(zip(k_outs, t_outs)):
+        if isinstance(to, torch.Tensor):
+            torch.testing.assert_close(ko, to, rtol=rtol, atol=atol, equal_nan=True,
+                                       msg=lambda m: f"{label}: forward output {i} differs: {m}")
+    assert len(k_grads) == len(t_grads)
+    for i, (kg, tg) in enumerate(zip(k_grads, t_grads)):
+        if kg is None or tg is None:
+            assert _is_zero(kg) and _is_zero(tg), \
+                f"{label}: gradient of floating input {i}: kiln {_desc(kg)} vs torch {_desc(tg)}"
+            continue
+        assert kg.shape == tg.shape, f"{label}: grad {i} shape {tuple(kg.shape)} vs torch {tuple(tg.shape)}"
+        assert kg.dtype == tg.dtype, f"{label}: grad {i} dtype {kg.dtype} vs torch {tg.dtype}"
+        torch.testing.assert_close(kg, tg, rtol=rtol, atol=atol, equal_nan=True,
+                                   msg=lambda m, i=i: f"{label}: gradient of floating input {i} differs: {m}")
+
+
+def _desc(t) -> str:
+    return "None" if t is None else f"tensor{tuple(t.shape)} (max |g| {t.abs().max().item() if t.numel() else 0})"

@@ -1,0 +1,110 @@
+"""Bad input gets a clear error that names the problem and where it is."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kiln
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:                      # data-dependent Python control flow
+            return y.mean()
+        return y.sum()
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Branchy()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def sgd():
+    return kiln.optim.SGD(lr=0.1)
+
+
+def test_unsupported_python_names_module_and_line():
+    with pytest.raises(kiln.CaptureError) as e:
+        kiln.compile(Outer(), optimizer=sgd())(torch.randn(2, 4))
+    msg = str(e.value)
+    assert "module `block` (Branchy)" in msg and "test_errors.py" in msg and "if y.sum() > 0" in msg
+
+
+def test_non_scalar_loss():
+    model = nn.Linear(4, 3)
+    with pytest.raises(kiln.UnsupportedError, match=r"scalar, got shape \(2, 3\)"):
+        kiln.compile(model, optimizer=sgd())(torch.randn(2, 4))
+
+
+def test_model_without_loss():
+    class NoLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return {"logits": self.lin(x)}
+    with pytest.raises(kiln.UnsupportedError, match="not a loss tensor"):
+        kiln.compile(NoLoss(), optimizer=sgd())(torch.randn(2, 2))
+
+
+def test_hugging_face_model_without_labels_gets_a_hint():
+    from tests.models import zoo
+    model, _, kwargs, _ = zoo.gpt2()
+    with pytest.raises(kiln.UnsupportedError, match="loss=None when no labels"):
+        kiln.compile(model, optimizer=sgd())(input_ids=kwargs["input_ids"])
+
+
+def test_no_trainable_parameters():
+    model = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(kiln.KilnError, match="no trainable parameters"):
+        kiln.compile(model, optimizer=sgd())
+
+
+def test_wrong_input_type():
+    step = kiln.compile(nn.Linear(2, 1), optimizer=sgd(), loss_fn=lambda m, x: m(x).mean())
+    with pytest.raises(kiln.InputError, match="type object"):
+        step(object())
+
+
+def test_not_a_module_and_not_a_kiln_optimizer():
+    with pytest.raises(kiln.KilnError, match="expects a torch.nn.Module"):
+        kiln.compile(lambda x: x, optimizer=sgd())
+    with pytest.raises(kiln.KilnError, match="kiln.optim"):
+        kiln.compile(nn.Linear(2, 2), optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_bad_hyperparameters():
+    with pytest.raises(kiln.KilnError, match="lr"):
+        kiln.optim.AdamW(lr=-1)
+    with pytest.raises(kiln.KilnError, match="betas"):
+        kiln.optim.AdamW(betas=(1.0, 0.9))
+    with pytest.raises(kiln.KilnError, match="nesterov"):
+        kiln.optim.SGD(lr=0.1, nesterov=True)
+
+
+def test_loss_independent_of_parameters():
+    step = kiln.compile(nn.Linear(2, 2), optimizer=sgd(), loss_fn=lambda m, x: (x * 2).sum())
+    with pytest.raises(kiln.UnsupportedError, match="does not depend on any trainable parameter"):
+        step(torch.randn(3, 2))
+
+
+def test_state_dict_mismatch_loads_nothing():
+    step = kiln.compile(nn.Linear(2, 2), optimizer=kiln.optim.AdamW(lr=0.1), loss_fn=lambda m, x: F.mse_loss(m(x), x))
+    sd = step.state_dict()
+    sd["state"]["weight"]["exp_avg"] = torch.ones(2, 2)
+    sd["state"]["bias"]["exp_avg"] = torch.ones(5)             # wrong shape
+    with pytest.raises(kiln.KilnError, match="bias.exp_avg has shape"):
+        step.load_state_dict(sd)
+    assert torch.equal(step.state["weight"]["exp_avg"], torch.zeros(2, 2))   # nothing half-loaded
