@@ -160,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         result = runner.run(config, args.timeout, on_start=display.start, tick=display.tick,
                             on_done=display.done, measure_peak=not args.no_peak)
 
-    out = Console()
+    # Piped output has no width; do not squeeze the table into 80 columns then.
+    out = Console() if sys.stdout.isatty() else Console(width=160)
     out.print(render.rich_table(result))
     for note in render.notes(result):
         out.print(f"  {note}", markup=False, highlight=False)

@@ -8,10 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 COLUMNS = [
-    ("mode", "Mode"), ("status", "Status"), ("ttfs", "First step"), ("median", "Step (median)"),
-    ("spread", "Step min-max"), ("speedup", "Speed vs base"), ("rate", "{unit}/s"),
-    ("flops", "Model FLOP/s"), ("peak", "% of peak"), ("memory", "Peak RSS"),
-    ("mem_ratio", "Memory vs base"), ("loss", "Loss first -> last"), ("steps", "Steps"),
+    ("mode", "Mode"), ("status", "Status"), ("ttfs", "First step"), ("step", "Step: median (min-max)"),
+    ("speedup", "Speed vs base"), ("rate", "{unit}/s"), ("flops", "Model GFLOP/s (% of peak)"),
+    ("memory", "Peak RSS MiB (vs base)"), ("loss", "Loss first -> last"), ("steps", "Steps"),
 ]
 
 
@@ -26,13 +25,10 @@ def rate(x: float | None) -> str:
 
 
 def flop_rate(x: float | None) -> str:
+    """A FLOP/s figure with a unit, for prose (the table uses bare GFLOP/s)."""
     if x is None:
         return "-"
     return f"{x / 1e12:.2f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
-
-
-def mib(x: float | None) -> str:
-    return "-" if x is None else f"{x / 2 ** 20:,.0f} MiB"
 
 
 def ratio(x: float | None) -> str:
@@ -58,13 +54,15 @@ def rows(report: dict) -> list[list[str]]:
         cells["status"] = status_text(r)
         if r["status"] == "ok":
             frac = r.get("peak_fraction")
+            mem_ratio = r.get("memory_vs_baseline")
             cells.update(
-                ttfs=seconds(r["ttfs_s"]), median=seconds(r["step_median_s"]),
-                spread=f"{seconds(r['step_min_s'])} - {seconds(r['step_max_s'])}",
+                ttfs=seconds(r["ttfs_s"]),
+                step=f"{seconds(r['step_median_s'])} ({seconds(r['step_min_s'])}-{seconds(r['step_max_s'])})",
                 speedup=ratio(r.get("speedup_vs_baseline")), rate=rate(r["items_per_s"]),
-                flops=flop_rate(r["achieved_flops_per_s"]),
-                peak="-" if frac is None else f"{100 * frac:.1f}% {r['dtype']}",
-                memory=mib(r.get("peak_rss_bytes")), mem_ratio=ratio(r.get("memory_vs_baseline")),
+                flops=f"{r['achieved_flops_per_s'] / 1e9:.1f}"
+                      + ("" if frac is None else f" ({100 * frac:.0f}% {r['dtype']})"),
+                memory="-" if r.get("peak_rss_bytes") is None else f"{r['peak_rss_bytes'] / 2 ** 20:,.0f}"
+                       + ("" if mem_ratio is None else f" ({mem_ratio:.2f}x)"),
                 loss=f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}",
                 steps=f"{r['measured_steps']}" + ("*" if r.get("budget_truncated") else ""))
         out.append([str(cells[key]) for key, _ in COLUMNS])
@@ -99,7 +97,8 @@ def rich_table(report: dict):
     table = Table(title=f"kiln bench: {cfg.get('model')} "
                         f"({describe_size(cfg)})", title_justify="left")
     for i, title in enumerate(headers(report)):
-        table.add_column(title, justify="left" if i < 2 else "right", no_wrap=i == 0)
+        # Fold rather than truncate: a clipped number is worse than a wrapped one.
+        table.add_column(title, justify="left" if i < 2 else "right", overflow="fold")
     style = {"ok": "", "not available": "dim", "failed": "red"}
     for row in rows(report):
         table.add_row(*row, style=style.get(row[1], ""))

@@ -57,6 +57,8 @@ def machine() -> dict:
             "bf16_instructions": sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"}),
             "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(),
+            # Other work on the machine skews every figure; keep the evidence.
+            "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
 
