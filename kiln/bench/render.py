@@ -20,6 +20,13 @@ def seconds(x: float | None) -> str:
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s" if x < 100 else f"{x:.0f} s"
 
 
+def step_range(median: float, low: float, high: float) -> str:
+    """'57 (50-64) ms': one unit, picked by the median, for all three numbers."""
+    scale, unit = (1000, "ms") if median < 1 else (1, "s")
+    digits = 0 if unit == "ms" or median >= 100 else 2
+    return f"{median * scale:.{digits}f} ({low * scale:.{digits}f}-{high * scale:.{digits}f}) {unit}"
+
+
 def rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
 
@@ -57,9 +64,9 @@ def rows(report: dict) -> list[list[str]]:
             mem_ratio = r.get("memory_vs_baseline")
             cells.update(
                 ttfs=seconds(r["ttfs_s"]),
-                step=f"{seconds(r['step_median_s'])} ({seconds(r['step_min_s'])}-{seconds(r['step_max_s'])})",
+                step=step_range(r["step_median_s"], r["step_min_s"], r["step_max_s"]),
                 speedup=ratio(r.get("speedup_vs_baseline")), rate=rate(r["items_per_s"]),
-                flops=f"{r['achieved_flops_per_s'] / 1e9:.1f}"
+                flops=f"{r['achieved_flops_per_s'] / 1e9:.3g}"
                       + ("" if frac is None else f" ({100 * frac:.0f}% {r['dtype']})"),
                 memory="-" if r.get("peak_rss_bytes") is None else f"{r['peak_rss_bytes'] / 2 ** 20:,.0f}"
                        + ("" if mem_ratio is None else f" ({mem_ratio:.2f}x)"),

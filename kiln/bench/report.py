@@ -56,7 +56,8 @@ def markdown(report: dict, json_name: str, out_name: str, image: str | None) -> 
         "",
         f"- Machine: {m.get('cpu')}, {m.get('usable_cpus')} usable of {m.get('logical_cpus')} logical CPUs, "
         f"{_gib(m.get('memory_bytes'))} RAM, bf16 matmul instructions: "
-        f"{', '.join(m.get('bf16_instructions') or []) or 'none'}",
+        f"{', '.join(m.get('bf16_instructions') or []) or 'none'}; load average at start "
+        f"{m.get('load_average_1m') if m.get('load_average_1m') is not None else '?'}",
         f"- Software: torch {m.get('torch')}, Python {m.get('python')}, {m.get('torch_threads')} torch threads; "
         f"run on {m.get('date')}",
         f"- Model: `{cfg.get('model')}` ({render.describe_size(cfg)}), "

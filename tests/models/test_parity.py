@@ -55,3 +55,52 @@ def test_aten_only_dialect_parity(name):
     step = train_both(name, kiln.optim.AdamW(lr=1e-3), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                       steps=2, dialects=["aten"])
     assert all(n.impl.dialect.name == "aten" for n in step.graph.nodes)
+
+
+def test_dropout_with_shared_rng_matches_eager():
+    """With p > 0 and the RNG reseeded before each step, Kiln draws the same masks as eager."""
+    torch.manual_seed(0)
+    model = zoo.SmallCNN(p=0.5)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    ref = copy.deepcopy(model)
+    loss_fn = lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y)  # noqa: E731
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.1, momentum=0.9), loss_fn=loss_fn)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for i in range(3):
+        torch.manual_seed(100 + i)
+        got = step(x, y)
+        torch.manual_seed(100 + i)
+        opt.zero_grad()
+        want = loss_fn(ref, x, y)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (kiln.optim.SGD(lr=0.1), dict(lr=0.1)),
+    lambda: (kiln.optim.SGD(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01),
+             dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    lambda: (kiln.optim.SGD(lr=0.1, momentum=0.9, nesterov=True), dict(lr=0.1, momentum=0.9, nesterov=True)),
+    lambda: (kiln.optim.AdamW(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+             dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)),
+], ids=["sgd", "sgd-momentum-dampening-wd", "sgd-nesterov", "adamw"])
+def test_optimizers_match_torch_optim_to_1e5(make):
+    """5 fp32 steps: every parameter within relative error 1e-5 of torch.optim."""
+    kopt, hyper = make()
+    cls = torch.optim.SGD if isinstance(kopt, kiln.optim.SGD) else torch.optim.AdamW
+    torch.manual_seed(0)
+    model, args, _, loss_fn = zoo.mlp()
+    ref = copy.deepcopy(model)
+    step = kiln.compile(model, optimizer=kopt, loss_fn=loss_fn)
+    opt = cls(ref.parameters(), **hyper)
+    for _ in range(5):
+        step(*args)
+        opt.zero_grad()
+        loss_fn(ref, *args).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        rel = ((p - q).abs() / q.abs().clamp_min(1e-3)).max().item()
+        assert rel <= 1e-5, rel
