@@ -21,7 +21,8 @@ __version__ = "0.1.0"
 
 
 def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Callable | None = None,
-            dialects: list[str] | None = None, max_programs: int = 8, verify: bool = False) -> CompiledStep:
+            dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
+            max_programs: int = 8, verify: bool = False) -> CompiledStep:
     """Compile `model`'s training step.
 
     Args:
@@ -31,6 +32,10 @@ def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Call
         loss_fn: optional `loss_fn(model, *args, **kwargs) -> loss`.
         dialects: kernel providers in preference order (default: all, by priority); `aten` is always
             the fallback. See `kiln.dialects`.
+        amp: None (fp32), "bf16", or "fp16" (with dynamic loss scaling). Parameters, gradients given to
+            the optimizer and optimizer state stay fp32; ops run in the dtype their cast class says.
+        amp_overrides: {op name or module path: "lower" | "fp32" | "follow"}, e.g.
+            {"aten._softmax": "lower"} or {"model.layers.0.mlp": "fp32"}; the most specific path wins.
         max_programs: how many input signatures (shapes/dtypes) may be compiled before step() refuses.
         verify: run the graph verifier after every pass (slower compiles; for debugging).
 
@@ -38,7 +43,7 @@ def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Call
     `step.state_dict()` / `step.load_state_dict()`.
     """
     return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
-                        verify=verify)
+                        verify=verify, amp=amp, amp_overrides=amp_overrides)
 
 
 def explain(step: CompiledStep, file=None) -> str:

@@ -21,7 +21,9 @@ aten = torch.ops.aten
 
 
 # ---- update kernels (reference: the same arithmetic as torch.optim's single-tensor path) -------
-def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, found_inf=None):
+    if found_inf is not None and found_inf.item():
+        return                      # fp16 overflow: skip, leaving parameter and state bit-identical
     step += 1
     t = step.item()
     param.mul_(1 - lr * weight_decay)
@@ -32,13 +34,19 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, 
     param.addcdiv_(exp_avg, denom, value=-lr / bias_c1)
 
 
-def adamw_update_fused(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+def adamw_update_fused(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+                       found_inf=None):
+    if found_inf is not None and found_inf.item():
+        return
     step += 1
     torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=lr, beta1=beta1,
                         beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
-def sgd_update(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay):
+def sgd_update(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay,
+               found_inf=None):
+    if found_inf is not None and found_inf.item():
+        return
     if weight_decay:
         grad = grad.add(param, alpha=weight_decay)
     if momentum:
@@ -49,6 +57,11 @@ def sgd_update(param, grad, momentum_buffer, step, lr, momentum, dampening, nest
         grad = grad.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
     step += 1
     param.add_(grad, alpha=-lr)
+
+
+def loss_scale_update(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    """Dynamic loss scaling (as torch.amp.GradScaler): halve on overflow, grow after clean steps."""
+    torch._amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
 
 
 def _no_outputs(args, kwargs):
@@ -63,6 +76,11 @@ SGD_OP = register(OpDef("kiln.sgd_update", (sgd_update,), None, Kind.OPTIMIZER, 
                         differentiable=False, side_effects=True, infer=_no_outputs,
                         cost=lambda n: 4.0 * n.args[0].meta.numel,
                         doc="in-place SGD (momentum, nesterov, weight decay) step of one parameter"))
+
+
+LOSS_SCALE = register(OpDef("kiln.loss_scale_update", (loss_scale_update,), None, Kind.OPTIMIZER, Cast.FP32,
+                            differentiable=False, side_effects=True, infer=_no_outputs, cost=lambda n: 1.0,
+                            doc="fp16 dynamic loss scale update (halve on inf/NaN, grow after clean steps)"))
 
 
 class Optimizer:
@@ -81,7 +99,8 @@ class Optimizer:
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def emit_update(self, b, param: Value, grad: Value, state: dict[str, Value], lr: Value) -> None:
+    def emit_update(self, b, param: Value, grad: Value, state: dict[str, Value], lr: Value,
+                    found_inf: Value | None = None) -> None:
         raise NotImplementedError
 
     def hyperparameters(self) -> dict:
@@ -108,9 +127,9 @@ class AdamW(Optimizer):
         return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(param),
                 "exp_avg_sq": torch.zeros_like(param)}
 
-    def emit_update(self, b, param, grad, state, lr):
+    def emit_update(self, b, param, grad, state, lr, found_inf=None):
         b.emit(ADAMW, (param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, *self.betas,
-                       self.eps, self.weight_decay), {}, metas=[])
+                       self.eps, self.weight_decay, found_inf), {}, metas=[])
 
 
 class SGD(Optimizer):
@@ -129,9 +148,9 @@ class SGD(Optimizer):
     def init_state(self, param):
         return {"step": torch.zeros((), dtype=torch.float32), "momentum_buffer": torch.zeros_like(param)}
 
-    def emit_update(self, b, param, grad, state, lr):
+    def emit_update(self, b, param, grad, state, lr, found_inf=None):
         b.emit(SGD_OP, (param, grad, state["momentum_buffer"], state["step"], lr, self.momentum, self.dampening,
-                        self.nesterov, self.weight_decay), {}, metas=[])
+                        self.nesterov, self.weight_decay, found_inf), {}, metas=[])
 
 
 def clip_by_global_norm(b, grads: list[Value], max_norm: float) -> list[Value]:
@@ -141,3 +160,13 @@ def clip_by_global_norm(b, grads: list[Value], max_norm: float) -> list[Value]:
     limit = b(aten.full.default, [], float(max_norm), dtype=total.meta.dtype, device=total.meta.device)
     coef = b(aten.clamp.default, b(aten.div.Tensor, limit, b(aten.add.Tensor, total, 1e-6)), None, 1.0)
     return [b(aten.mul.Tensor, g, coef) for g in grads]
+
+
+def unscale_and_check(b, grads: list[Value], scale: Value) -> tuple[list[Value], Value]:
+    """fp16 loss scaling: grads / scale, and found_inf = 1.0 if any gradient has an inf or NaN."""
+    inv = b(aten.reciprocal.default, scale)
+    grads = [b(aten.mul.Tensor, g, inv) for g in grads]
+    finite = [b(aten.all.default, b(aten.isfinite.default, g)) for g in grads]
+    all_finite = b(aten.all.default, b(aten.stack.default, finite))
+    found_inf = b(aten._to_copy.default, b(aten.logical_not.default, all_finite), dtype=torch.float32)
+    return grads, found_inf

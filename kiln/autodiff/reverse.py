@@ -26,15 +26,18 @@ def requires_grad(graph: Graph, wrt: list[Value]) -> set[Value]:
     return req
 
 
-def differentiate(graph: Graph, loss: Value, wrt: list[Value]) -> dict[Value, Value]:
-    """Append the backward of `loss` w.r.t. `wrt` to `graph`; return {wrt value: gradient value}."""
+def differentiate(graph: Graph, loss: Value, wrt: list[Value], seed: Value | None = None) -> dict[Value, Value]:
+    """Append the backward of `loss` w.r.t. `wrt` to `graph`; return {wrt value: gradient value}.
+    `seed` is d(objective)/d(loss): 1 by default, the loss scale under fp16 loss scaling."""
     forward = list(graph.nodes)
     req = requires_grad(graph, wrt)
     if loss not in req:
         raise UnsupportedError("the loss does not depend on any trainable parameter "
                                "(is everything frozen, or is the loss computed without the model?)")
     b = Builder(graph, Phase.BACKWARD, scope="loss")
-    grads: dict[Value, Value] = {loss: b(aten.full.default, [], 1.0, dtype=loss.meta.dtype, device=loss.meta.device)}
+    if seed is None:
+        seed = b(aten.full.default, [], 1.0, dtype=loss.meta.dtype, device=loss.meta.device)
+    grads: dict[Value, Value] = {loss: cast(b, seed, loss.meta.dtype)}
 
     def accumulate(v: Value, g) -> None:
         if g is None or g is ZERO or v not in req:

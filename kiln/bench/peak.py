@@ -33,7 +33,7 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(dtype: str, target_s: float = 0.1, max_n: int = 4096, reps: int = 5) -> dict:
+def measure(dtype: str, target_s: float = 0.05, max_n: int = 4096, reps: int = 5) -> dict:
     """Peak matmul FLOP/s for ``dtype`` ("fp32" or "bf16") and how it was measured."""
     torch_dtype = DTYPES[dtype]
     gen = torch.Generator().manual_seed(0)

@@ -6,10 +6,8 @@ and so that a crash or hang in one mode cannot take the harness down.
 
 The spec is a JSON object (a file path on argv, or ``-`` for stdin):
 
-* ``kind``: ``"mode"`` (train a model, the default) or ``"peak"`` (measure the
-  machine's peak matmul rate);
-* for ``"mode"``: ``mode``, ``model``, ``size``, ``overrides``, ``seed``,
-  ``steps``, ``warmup``, ``budget_s`` (0 = no budget);
+* ``mode``, ``model``, ``size``, ``overrides``, ``seed``, ``steps``,
+  ``warmup``, ``budget_s`` (0 = no budget);
 * ``out``: where to write the result JSON (it is also printed as the last line
   of stdout); ``progress``: a file the worker rewrites with its current phase;
 * ``fault`` (tests only): ``"raise"``, ``"exit"`` or ``"hang"`` to simulate a
@@ -139,12 +137,8 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
 def run(spec: dict) -> dict:
     """Run one spec and return its result dict; never raises."""
     progress = _Progress(spec.get("progress"))
-    base = {"kind": spec.get("kind", "mode"), "mode": spec.get("mode")}
+    base = {"mode": spec.get("mode")}
     try:
-        if base["kind"] == "peak":
-            from kiln.bench import peak
-            progress("measuring peak matmul rate")
-            return {**base, "status": "ok", "peak": peak.measure_all(tuple(spec.get("dtypes", ("fp32", "bf16"))))}
         return {**base, **run_mode(spec, progress)}
     except Exception as exc:
         tb = traceback.format_exc(limit=-6)

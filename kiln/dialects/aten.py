@@ -84,6 +84,7 @@ def _register_optimizer_kernels() -> None:
     kernel(ATEN, optim.adamw_update, optim.adamw_update_fused, checker=_fused_adamw_ok, priority=1, name="fused")
     kernel(ATEN, optim.adamw_update, optim.adamw_update, name="reference")
     kernel(ATEN, optim.sgd_update, optim.sgd_update, name="reference")
+    kernel(ATEN, optim.loss_scale_update, optim.loss_scale_update, name="amp")
 
 
 _register_optimizer_kernels()

@@ -177,7 +177,7 @@ nondiff([aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt
          aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
          aten.logical_and.default, aten.logical_or.default, aten.logical_not.default,
          aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.bitwise_not.default,
-         aten.__and__.Tensor, aten.__or__.Tensor, aten.isinf.default, aten.isnan.default,
+         aten.__and__.Tensor, aten.__or__.Tensor, aten.isinf.default, aten.isnan.default, aten.isfinite.default,
          aten.sign.default, aten.sgn.default, aten.floor.default, aten.ceil.default, aten.round.default,
          aten.trunc.default, aten.floor_divide.default, aten.remainder.Scalar, aten.remainder.Tensor,
          aten.argmax.default, aten.argmin.default])

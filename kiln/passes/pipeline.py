@@ -11,11 +11,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from kiln.autodiff import differentiate
 from kiln.ir.builder import Builder
-from kiln.ir.graph import Graph, Phase, Role, Value
+from kiln.ir.graph import Graph, Phase, Role, TensorMeta, Value
 from kiln.ir.printer import format_graph
-from kiln.optim import Optimizer, clip_by_global_norm
+from kiln.optim import LOSS_SCALE, Optimizer, clip_by_global_norm, unscale_and_check
+from kiln.passes.amp import AmpPolicy, autocast
 from kiln.passes.canonicalize import canonicalize, lower_dialects
 from kiln.passes.cse import common_subexpression_elimination
 from kiln.passes.dce import dead_code_elimination
@@ -31,6 +34,7 @@ class Context:
     graph: Graph                   # graph.outputs[0] is the loss
     optimizer: Optimizer
     dialects: tuple[str, ...]
+    amp: AmpPolicy | None = None
     verify: bool = False
     timings: list[tuple[str, float, int]] = field(default_factory=list)   # (pass, seconds, nodes after)
 
@@ -39,13 +43,18 @@ def add_backward_and_update(ctx: Context) -> int:
     """Autodiff w.r.t. every trainable parameter, then the optimizer update as graph code."""
     g = ctx.graph
     params = g.inputs_with(Role.PARAM)
-    grads = differentiate(g, g.outputs[0], params)
+    scaling = ctx.amp is not None and ctx.amp.dtype == torch.float16
+    scale = g.add_input("loss_scale", _scalar_meta(torch.float32), Role.STATE, f"{AMP_STATE}:scale") if scaling else None
+    grads = differentiate(g, g.outputs[0], params, seed=scale)
     for p in params:
         if p not in grads:
             log.info("kiln: parameter %s gets no gradient from this loss; it is not updated", p.source)
     b = Builder(g, Phase.OPTIMIZER, scope="optimizer")
     updated = [p for p in params if p in grads]
     gs = [grads[p] for p in updated]
+    found_inf = None
+    if scaling:
+        gs, found_inf = unscale_and_check(b, gs, scale)
     if ctx.optimizer.max_grad_norm is not None and gs:
         gs = clip_by_global_norm(b, gs, ctx.optimizer.max_grad_norm)
     lr = g.add_input("lr", None, Role.SCALAR, "lr")
@@ -53,16 +62,23 @@ def add_backward_and_update(ctx: Context) -> int:
         state = {slot: g.add_input(f"{p.name}__{slot}", _state_meta(p, slot), Role.STATE, f"{p.source}:{slot}")
                  for slot in ctx.optimizer.slots}
         b.scope = f"optimizer:{p.source}"
-        ctx.optimizer.emit_update(b, p, grad, state, lr)
+        ctx.optimizer.emit_update(b, p, grad, state, lr, found_inf)
+    if scaling:
+        b.scope = "optimizer:loss_scale"
+        tracker = g.add_input("growth_tracker", _scalar_meta(torch.int32), Role.STATE, f"{AMP_STATE}:growth_tracker")
+        b.emit(LOSS_SCALE, (scale, tracker, found_inf, *ctx.amp.scaler), {}, metas=[])
     return len(updated)
 
 
+AMP_STATE = "__amp__"      # optimizer-state entry holding the fp16 loss scale and its growth tracker
+
+
+def _scalar_meta(dtype):
+    return TensorMeta((), dtype, (), torch.device("cpu"))
+
+
 def _state_meta(p: Value, slot: str):
-    import torch
-    from kiln.ir.graph import TensorMeta
-    if slot == "step":
-        return TensorMeta((), torch.float32, (), torch.device("cpu"))
-    return p.meta
+    return _scalar_meta(torch.float32) if slot == "step" else p.meta
 
 
 Pass = tuple[str, Callable[[Context], object]]
@@ -74,6 +90,7 @@ PIPELINE: list[Pass] = [
     ("remove_noops", lambda c: remove_noops(c.graph)),
     ("cse", lambda c: common_subexpression_elimination(c.graph)),
     ("dce", lambda c: dead_code_elimination(c.graph)),
+    ("amp", lambda c: autocast(c.graph, c.amp) if c.amp else 0),   # casts per op cast class (bf16/fp16)
     # the training graph: forward + backward + update
     ("autodiff+optimizer", add_backward_and_update),
     ("remove_noops", lambda c: remove_noops(c.graph)),

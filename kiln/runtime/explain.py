@@ -4,7 +4,20 @@ from __future__ import annotations
 import collections
 import sys
 
+import torch
+
 from kiln.errors import KilnError
+
+
+def compute_dtype(n) -> str:
+    """The dtype an op computes in: its floating inputs' (the widest), else its output's."""
+    floats = [v.meta.dtype for v in n.inputs if v.is_float]
+    if n.target is torch.ops.aten._to_copy.default or not floats:
+        floats = [o.meta.dtype for o in n.outputs if o.meta is not None] or floats
+    if not floats:
+        return "-"
+    widest = max(floats, key=lambda d: d.itemsize)
+    return str(widest).replace("torch.", "")
 
 
 def explain(step, file=None) -> str:
@@ -18,8 +31,8 @@ def explain(step, file=None) -> str:
         dialect = n.impl.label if n.impl is not None else "-"
         if n.op.name.startswith("kiln.fallback"):
             dialect += " (FALLBACK: torch.func.vjp)"
-        rows.append((str(i), n.phase.value, n.op.name, dialect, out, n.scope))
-    head = ("#", "phase", "op", "dialect", "output", "module")
+        rows.append((str(i), n.phase.value, n.op.name, dialect, compute_dtype(n), out, n.scope))
+    head = ("#", "phase", "op", "dialect", "compute", "output", "module")
     widths = [max(len(r[c]) for r in rows + [head]) for c in range(len(head))]
     widths[-1] = 0
     fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
@@ -31,6 +44,10 @@ def explain(step, file=None) -> str:
     lines.append("")
     lines.append(f"{len(g.nodes)} ops: " + ", ".join(f"{k} {v}" for k, v in by_phase.items()) +
                  " | dialects: " + ", ".join(f"{k} {v}" for k, v in sorted(by_dialect.items())))
+    casts = [n for n in g.nodes if n.target is torch.ops.aten._to_copy.default]
+    lines.append(f"casts: {len(casts)} (forward {sum(n.phase.value == 'forward' for n in casts)}, "
+                 f"backward {sum(n.phase.value == 'backward' for n in casts)})" +
+                 (f"; amp {step.amp.dtype}".replace("torch.", "") if getattr(step, "amp", None) else ""))
     lines.append(f"compiled in {prog.compile_seconds:.2f}s; passes: " +
                  ", ".join(f"{name} {sec * 1000:.0f}ms" for name, sec, _ in prog.timings))
     if fallbacks:

@@ -15,7 +15,8 @@ from kiln.dialects import registry as dialect_registry
 from kiln.errors import InputError, KilnError
 from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
-from kiln.passes.pipeline import Context, run_pipeline
+from kiln.passes.amp import AmpPolicy
+from kiln.passes.pipeline import AMP_STATE, Context, run_pipeline
 from kiln.runtime.codegen import generate
 
 log = logging.getLogger("kiln")
@@ -50,7 +51,8 @@ class CompiledStep:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Optimizer, loss_fn: Callable | None = None,
-                 dialects=None, max_programs: int = 8, verify: bool = False):
+                 dialects=None, max_programs: int = 8, verify: bool = False, amp: str | None = None,
+                 amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16):
         if not isinstance(model, torch.nn.Module):
             raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -66,7 +68,11 @@ class CompiledStep:
         self.dialects = dialect_registry.check_names(dialects) if dialects is not None else None
         self.max_programs = max_programs
         self.verify = verify
+        self.amp = AmpPolicy.make(amp, amp_overrides) if amp is not None else None
         self.state: dict[str, dict[str, torch.Tensor]] = {n: optimizer.init_state(p) for n, p in self.params.items()}
+        if self.amp is not None and self.amp.dtype == torch.float16:
+            self.state[AMP_STATE] = {"scale": torch.tensor(float(init_loss_scale)),
+                                     "growth_tracker": torch.zeros((), dtype=torch.int32)}
         self.programs: "collections.OrderedDict[tuple, Program]" = collections.OrderedDict()
         self.last: Program | None = None
 
@@ -95,7 +101,7 @@ class CompiledStep:
     def _compile(self, args, kwargs, names) -> Program:
         t0 = time.perf_counter()
         captured, constants = capture(self.model, self.loss_fn, args, kwargs)
-        ctx = run_pipeline(Context(captured.graph, self.optimizer, names, verify=self.verify))
+        ctx = run_pipeline(Context(captured.graph, self.optimizer, names, amp=self.amp, verify=self.verify))
         source, fn = generate(ctx.graph)
         fetch = [self._fetcher(v, constants) for v in ctx.graph.inputs]
         seconds = time.perf_counter() - t0
@@ -130,6 +136,12 @@ class CompiledStep:
             return pname
         target = dict(self.model.named_parameters(remove_duplicate=False))[pname]
         return next(n for n, p in self.params.items() if p is target)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (None unless amp='fp16')."""
+        amp = self.state.get(AMP_STATE)
+        return None if amp is None else amp["scale"].item()
 
     # ---- looking inside --------------------------------------------------------------------
     def _program(self) -> Program:

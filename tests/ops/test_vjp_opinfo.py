@@ -45,9 +45,10 @@ class _TopLevelCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func is not aten.detach.default:          # autograd saving an output, not the op
-            self.calls.append((func, args, kwargs))
-        return func(*args, **kwargs)
+            self.calls.append((func, args, kwargs, out))
+        return out
 
 
 @functools.cache
@@ -64,7 +65,10 @@ def opinfo_samples() -> dict[str, list]:
                 continue
             label = info.name + (f".{info.variant_test_name}" if info.variant_test_name else "")
             try:
-                samples = info.sample_inputs("cpu", torch.float64, requires_grad=True)
+                # sample_inputs_func directly: OpInfo.sample_inputs wraps it in a tracker that walks
+                # the interpreter stack for every sample (slow with many modules loaded)
+                torch.manual_seed(0)
+                samples = info.sample_inputs_func(info, "cpu", torch.float64, True)
                 for s in itertools.islice(samples, SAMPLES_PER_OPINFO):
                     mode = _TopLevelCalls()
                     try:
@@ -74,7 +78,9 @@ def opinfo_samples() -> dict[str, list]:
                         continue
                     if len(mode.calls) != 1 or mode.calls[0][0] not in by_target:
                         continue
-                    func, args, kwargs = mode.calls[0]
+                    func, args, kwargs, out = mode.calls[0]
+                    if not any(t.dtype.is_floating_point for t in flat_tensors(out)):
+                        continue        # e.g. a cast to an integer or complex dtype: nothing real to check
                     args, kwargs = _detach((args, kwargs))
                     found.setdefault(by_target[func], {}).setdefault((func, label), []).append(
                         (label, func, args, kwargs))

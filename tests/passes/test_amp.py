@@ -1,0 +1,101 @@
+"""Mixed precision: where casts go, how many, and what dtype each op computes in."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln
+from kiln.ir.graph import Role, TensorMeta
+from kiln.ops.registry import Cast
+from kiln.passes.amp import AmpPolicy, autocast
+from tests.passes.graphs import aten, count, graph_with_inputs, run
+
+
+def _mlp_graph():
+    x, w1, w2, w3 = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16, 16), torch.randn(3, 16)
+    g, b, (xv, w1v, w2v, w3v) = graph_with_inputs(x, w1, w2, w3)
+    for v in (w1v, w2v, w3v):
+        v.role = Role.PARAM
+    h = b(aten.gelu.default, b(aten.linear.default, xv, w1v))
+    h3 = b(aten.linear.default, b(aten.linear.default, h, w2v), w2v)        # w2 used twice: cast once
+    s = b(aten._softmax.default, b(aten.linear.default, b(aten.add.Tensor, h, h3), w3v), -1, False)
+    g.outputs = [b(aten.sum.default, s)]
+    return g, (x, w1, w2, w3)
+
+
+def dtype_of(g, target, i=0):
+    return [n for n in g.nodes if n.target is target][i].outputs[0].meta.dtype
+
+
+def test_cast_placement_bf16():
+    g, tensors = _mlp_graph()
+    inserted = autocast(g, AmpPolicy(torch.bfloat16))
+    # x, w1, w2, w3 -> bf16 once each; the softmax input -> fp32
+    assert inserted == 5 and count(g, aten._to_copy.default) == 5
+    assert dtype_of(g, aten.linear.default) == torch.bfloat16
+    assert dtype_of(g, aten.gelu.default) == torch.bfloat16                # follows its input
+    assert dtype_of(g, aten._softmax.default) == torch.float32             # never low precision
+    x, w1, w2, w3 = tensors
+    lin = torch.nn.functional.linear
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.nn.functional.gelu(lin(x, w1))
+        want = torch.softmax(lin(h + lin(lin(h, w2), w2), w3).float(), -1).sum()
+    torch.testing.assert_close(run(g, *tensors), want)
+
+
+def test_no_cast_chains_or_duplicates():
+    x = torch.randn(4, 8)
+    g, b, (xv,) = graph_with_inputs(x)
+    w = g.add_input("w", TensorMeta.of(torch.randn(8, 8)), Role.PARAM, "w")
+    y = b(aten.linear.default, xv, w)                   # x -> bf16
+    z = b(aten._softmax.default, xv, -1, False)         # x stays fp32 (no bf16 -> fp32 chain)
+    y2 = b(aten.linear.default, xv, w)                  # reuses the casts of x and w
+    g.outputs = [b(aten.sum.default, b(aten.add.Tensor, b(aten.add.Tensor, y, y2), z))]
+    autocast(g, AmpPolicy(torch.bfloat16))
+    casts = [n for n in g.nodes if n.target is aten._to_copy.default]
+    # x and w to bf16 once each, and the bf16 sum y + y2 up to fp32 to meet z (promotion)
+    assert len(casts) == 3
+    assert [n.args[0].name for n in casts[:2]] == [xv.name, "w"]
+    assert casts[2].args[0].producer.target is aten.add.Tensor and casts[2].outputs[0].meta.dtype == torch.float32
+    softmax = next(n for n in g.nodes if n.target is aten._softmax.default)
+    assert softmax.args[0] is xv
+
+
+def test_overrides_per_op_and_per_module():
+    g, _ = _mlp_graph()
+    autocast(g, AmpPolicy(torch.bfloat16, op_overrides={"aten._softmax": Cast.FOLLOW}))
+    assert dtype_of(g, aten._softmax.default) == torch.bfloat16
+    g, _ = _mlp_graph()
+    for n in g.nodes:
+        n.scope = "model.head"
+    policy = AmpPolicy.make("bf16", {"model": "lower", "model.head": "fp32"})   # most specific wins
+    autocast(g, policy)
+    assert count(g, aten._to_copy.default) == 0
+    assert dtype_of(g, aten.linear.default) == torch.float32
+
+
+def test_bad_amp_settings():
+    with pytest.raises(kiln.KilnError, match="amp must be"):
+        AmpPolicy.make("int8")
+    with pytest.raises(kiln.KilnError, match="no op named"):
+        AmpPolicy.make("bf16", {"aten.not_an_op": "fp32"})
+    with pytest.raises(kiln.KilnError, match="use 'lower'"):
+        AmpPolicy.make("bf16", {"model.x": "half"})
+
+
+def test_parameters_cast_once_per_step_in_a_compiled_model():
+    from tests.models import zoo
+    model, args, kwargs, _ = zoo.llama()
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), amp="bf16")
+    step(*args, **kwargs)
+    g = step.graph
+    param_casts = [n for n in g.nodes if n.target is aten._to_copy.default and n.args[0].role is Role.PARAM]
+    sources = [n.args[0].source for n in param_casts]
+    assert len(sources) == len(set(sources))                           # each parameter at most once
+    linear_weights = {n.args[1].producer.args[0].source for n in g.nodes
+                      if n.target is aten.linear.default and n.args[1].producer is not None}
+    assert linear_weights <= set(sources)
+    # the backward reuses the forward's bf16 weights: no cast in the backward reads a parameter
+    assert not [n for n in param_casts if n.phase.value == "backward"]
+    text = step.explain()
+    assert "bfloat16" in text and "amp bfloat16" in text
