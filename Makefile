@@ -26,7 +26,7 @@ test-all: $(VENV)/.installed
 	$(PY) -m pytest -q -m ''
 
 bench: $(VENV)/.installed
-	$(PY) benchmarks/core_step.py
+	$(PY) benchmarks/step_compare.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -17,6 +17,7 @@ import json
 import os
 import shlex
 import sys
+import time
 
 from kiln.bench import modes, report, zoo
 
@@ -117,29 +118,48 @@ def build_config(args: argparse.Namespace) -> dict:
     parts = ["kiln bench", "--model", args.model, "--modes", ",".join(names), "--size", args.size]
     parts += [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
     parts += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", f"{args.budget:g}"]
+    parts += ["--seed", str(args.seed)] if args.seed else []
+    parts += ["--baseline", args.baseline] if args.baseline else []
     parts += [x for flag, v in (("--json", args.json), ("--plot", args.plot)) if v for x in (flag, v)]
     config["command"] = " ".join(shlex.quote(p) if i else p for i, p in enumerate(parts))
     return config
 
 
 class _Display:
-    """Progress lines on stderr: which mode runs, its phase, and elapsed time."""
+    """Progress on stderr: which mode runs, its phase, and elapsed time.
 
-    def __init__(self, progress, total: int):
-        self.progress, self.total, self.index, self.task = progress, total, 0, None
+    On a terminal that is a live rich progress display; in a log file (no
+    terminal) one plain line when each mode starts and ends, because a live
+    display only reaches a file when it stops.
+    """
+
+    def __init__(self, progress, console, total: int):
+        self.progress, self.console, self.total = progress, console, total
+        self.live = console.is_terminal
+        self.index, self.task, self.started = 0, None, 0.0
 
     def start(self, label: str) -> None:
         self.index += 1
         self.label = f"[{self.index}/{self.total}] {label}"
-        self.task = self.progress.add_task(self.label, total=None)
+        self.started = time.monotonic()
+        if self.live:
+            self.task = self.progress.add_task(self.label, total=None)
+        else:
+            self.console.print(f"{self.label}: started", markup=False, highlight=False)
 
     def tick(self, phase: str, elapsed: float) -> None:
-        self.progress.update(self.task, description=f"{self.label}: {phase}")
+        if self.live:
+            self.progress.update(self.task, description=f"{self.label}: {phase}")
 
     def done(self, result: dict) -> None:
-        status = {"ok": "[green]done", "unavailable": "[yellow]not available"}.get(result["status"], "[red]failed")
-        self.progress.update(self.task, description=f"{self.label}: {status}", total=1, completed=1)
-        self.progress.stop_task(self.task)
+        status = {"ok": "done", "unavailable": "not available"}.get(result["status"], "failed")
+        if self.live:
+            color = {"done": "green", "not available": "yellow"}.get(status, "red")
+            self.progress.update(self.task, description=f"{self.label}: [{color}]{status}", total=1, completed=1)
+            self.progress.stop_task(self.task)
+        else:
+            self.console.print(f"{self.label}: {status} after {time.monotonic() - self.started:.0f} s",
+                               markup=False, highlight=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     total = len(config["modes"]) + (0 if args.no_peak else 1)
     with Progress(SpinnerColumn(finished_text="-"), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=err) as progress:
-        display = _Display(progress, total)
+                  console=err, disable=not err.is_terminal) as progress:
+        display = _Display(progress, err, total)
         result = runner.run(config, args.timeout, on_start=display.start, tick=display.tick,
                             on_done=display.done, measure_peak=not args.no_peak)
 

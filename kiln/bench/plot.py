@@ -34,17 +34,21 @@ def save(report: dict, path: str | Path) -> Path:
     ax_m.barh(y, memory, color=colors)
     ax_m.set_title("Peak RSS during measured steps")
     ax_m.set_xlabel("MiB (lower is better)")
-    for ax, values in ((ax_t, median), (ax_m, memory)):
+    for ax, values, ends in ((ax_t, median, [m + h for m, h in zip(median, high)]), (ax_m, memory, memory)):
         ax.set_yticks(y, names)
         ax.invert_yaxis()  # first mode on top, as in the table
-        top = max(values, default=0) or 1.0
-        for i, (value, r) in enumerate(zip(values, results)):
+        top = max(ends, default=0) or 1.0
+        for i, (value, end, r) in enumerate(zip(values, ends, results)):
             text = (f"{value:.3g}" if r["status"] == "ok"
                     else "not available" if r["status"] == "unavailable" else "failed")
-            ax.text(value + top * 0.02, i, text, va="center", fontsize=8)
+            # Right of the whisker, so the number never sits on top of it.
+            ax.text(end + top * 0.02, i, text, va="center", fontsize=8)
         ax.set_xlim(0, top * 1.3)
     cfg = report.get("config", {})
-    fig.suptitle(f"kiln bench: {cfg.get('model')} on {report.get('machine', {}).get('cpu', '?')}", fontsize=10)
+    from kiln.bench.render import describe_size
+
+    fig.suptitle(f"kiln bench: {cfg.get('model')} ({describe_size(cfg)}) on "
+                 f"{report.get('machine', {}).get('cpu', '?')}", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

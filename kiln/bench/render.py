@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# Short headers so the table fits a terminal; docs/benchmarks.md explains each.
 COLUMNS = [
-    ("mode", "Mode"), ("status", "Status"), ("ttfs", "First step"), ("step", "Step: median (min-max)"),
-    ("speedup", "Speed vs base"), ("rate", "{unit}/s"), ("flops", "Model GFLOP/s (% of peak)"),
-    ("memory", "Peak RSS MiB (vs base)"), ("loss", "Loss first -> last"), ("steps", "Steps"),
+    ("mode", "Mode"), ("status", "Status"), ("ttfs", "1st step"), ("step", "Step median (min-max)"),
+    ("speedup", "Speed"), ("rate", "{unit}/s"), ("flops", "GFLOP/s (% peak)"),
+    ("memory", "Peak RSS MiB"), ("loss", "Loss 1st -> last"), ("steps", "n"),
 ]
 
 
@@ -25,6 +26,11 @@ def step_range(median: float, low: float, high: float) -> str:
     scale, unit = (1000, "ms") if median < 1 else (1, "s")
     digits = 0 if unit == "ms" or median >= 100 else 2
     return f"{median * scale:.{digits}f} ({low * scale:.{digits}f}-{high * scale:.{digits}f}) {unit}"
+
+
+def percent(fraction: float) -> str:
+    pct = 100 * fraction
+    return "<0.1%" if pct < 0.1 else f"{pct:.1f}%" if pct < 10 else f"{pct:.0f}%"
 
 
 def rate(x: float | None) -> str:
@@ -48,7 +54,7 @@ def headers(report: dict) -> list[str]:
 
 
 def status_text(r: dict) -> str:
-    return {"ok": "ok", "unavailable": "not available"}.get(r["status"], "failed")
+    return {"ok": "ok", "unavailable": "n/a"}.get(r["status"], "failed")
 
 
 def rows(report: dict) -> list[list[str]]:
@@ -67,7 +73,7 @@ def rows(report: dict) -> list[list[str]]:
                 step=step_range(r["step_median_s"], r["step_min_s"], r["step_max_s"]),
                 speedup=ratio(r.get("speedup_vs_baseline")), rate=rate(r["items_per_s"]),
                 flops=f"{r['achieved_flops_per_s'] / 1e9:.3g}"
-                      + ("" if frac is None else f" ({100 * frac:.0f}% {r['dtype']})"),
+                      + ("" if frac is None else f" ({percent(frac)} {r['dtype']})"),
                 memory="-" if r.get("peak_rss_bytes") is None else f"{r['peak_rss_bytes'] / 2 ** 20:,.0f}"
                        + ("" if mem_ratio is None else f" ({mem_ratio:.2f}x)"),
                 loss=f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}",
@@ -91,6 +97,14 @@ def notes(report: dict) -> list[str]:
     base = report.get("config", {}).get("baseline")
     if base and not any(r["mode"] == base and r["status"] == "ok" for r in report.get("results", [])):
         lines.append(f"baseline {base} did not run, so there are no ratios")
+    # A busy machine makes every timing noisy; say so where the numbers are.  At
+    # the start nothing of ours runs yet; during a mode its own threads count too.
+    m, cpus = report.get("machine", {}), report.get("machine", {}).get("usable_cpus") or 0
+    during = [r["load_average_1m"] for r in report.get("results", []) if r.get("load_average_1m") is not None]
+    before = m.get("load_average_1m")
+    if cpus and ((before or 0) > 0.5 * cpus or max(during, default=0) > cpus + 0.5):
+        lines.append(f"the machine was busy (1-minute load average {before or 0:.1f} at the start, up to "
+                     f"{max(during, default=0):.1f} during the modes, on {cpus} CPUs): timings are noisy")
     if "error" in report.get("peak_matmul", {}):
         lines.append(f"peak matmul rate not measured: {report['peak_matmul']['error']}")
     return lines
@@ -98,15 +112,17 @@ def notes(report: dict) -> list[str]:
 
 def rich_table(report: dict):
     """A rich Table of the results (import of rich kept local: report.py needs none)."""
+    from rich import box
     from rich.table import Table
 
     cfg = report.get("config", {})
-    table = Table(title=f"kiln bench: {cfg.get('model')} "
-                        f"({describe_size(cfg)})", title_justify="left")
+    table = Table(title=f"kiln bench: {cfg.get('model')} ({describe_size(cfg)})", title_justify="left",
+                  box=box.SIMPLE_HEAD, caption=f"Speed and memory ratios against {cfg.get('baseline')}; "
+                  "n = measured steps", caption_justify="left")
     for i, title in enumerate(headers(report)):
         # Fold rather than truncate: a clipped number is worse than a wrapped one.
-        table.add_column(title, justify="left" if i < 2 else "right", overflow="fold")
-    style = {"ok": "", "not available": "dim", "failed": "red"}
+        table.add_column(title, justify="left" if i < 2 else "right", overflow="fold", no_wrap=i == 0)
+    style = {"ok": "", "n/a": "dim", "failed": "red"}
     for row in rows(report):
         table.add_row(*row, style=style.get(row[1], ""))
     return table

@@ -78,16 +78,21 @@ def run_worker(spec: dict, timeout_s: float, tick: Tick | None = None) -> dict:
             proc = subprocess.Popen([sys.executable, "-m", "kiln.bench.worker", spec_path],
                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             timed_out = False
-            while proc.poll() is None:
-                elapsed = time.monotonic() - start
-                if elapsed > timeout_s:
+            try:
+                while proc.poll() is None:
+                    elapsed = time.monotonic() - start
+                    if elapsed > timeout_s:
+                        timed_out = True
+                        break
+                    if tick:
+                        tick(_read(spec["progress"]) or "starting", elapsed)
+                    time.sleep(0.2)
+            finally:
+                # Timeout, Ctrl-C or an error here: the worker's own session does
+                # not get the terminal's SIGINT, so end its group explicitly.
+                if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                    timed_out = True
-                    break
-                if tick:
-                    tick(_read(spec["progress"]) or "starting", elapsed)
-                time.sleep(0.2)
         wall = time.monotonic() - start
         base = {"mode": spec.get("mode"), "wall_s": wall}
         if timed_out:

@@ -68,12 +68,15 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
     budget = float(spec.get("budget_s") or 0)
     # A few distinct batches, built before timing: every mode sees the same data.
     batches = [entry.build_batch(i) for i in range(min(4, steps + warmup))]
+    known = modes.MODES.get(spec["mode"])  # None: make_step below reports the bad name
     result = {"params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads(),
-              "dtype": modes.MODES[spec["mode"]].dtype if spec["mode"] in modes.MODES else None,
+              # Other work on the machine skews timings; keep the evidence per mode.
+              "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+              "dtype": known.dtype if known else None,
               "unit": entry.unit, "items_per_batch": entry.items_per_batch,
               "flops_per_step": entry.flops_per_step}
 
-    progress("compiling + first step")
+    progress("compiling + first step" if known and known.compiles else "first step")
     start = time.perf_counter()
     try:
         step = modes.make_step(spec["mode"], model)
@@ -97,7 +100,7 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
     # With a time budget, warm-up gets half of it; the first step of a compiling
     # mode is no estimate of a step, so such modes always warm up a second step.
     done, warm_start = 1, time.perf_counter()
-    last = None if modes.MODES[spec["mode"]].compiles else ttfs
+    last = None if known.compiles else ttfs
     while done < warmup:
         if last is not None and _stop_early(time.perf_counter() - warm_start, last, budget / 2):
             break

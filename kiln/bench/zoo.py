@@ -18,6 +18,19 @@ layers, hidden, heads, intermediate, seq, batch, vocab.  For the vision models
 ``seq`` is the image side in pixels and ``vocab`` the number of classes.
 Dropout is disabled and ``use_cache=False`` so runs are deterministic and the
 graph holds only training work.
+
+FLOPs per training step are 3 x forward (see ``kiln.bench.flops`` for the
+convention).  With B batch, s sequence, T = B*s tokens, L layers, h hidden,
+i MLP width, V vocabulary (classes), the forward counts are:
+
+* llama:  L*(8*T*h^2 + 4*B*s^2*h + 6*T*h*i) + 2*T*h*V   (Q,K,V,O; attention; gated MLP; head)
+* gpt2:   L*(8*T*h^2 + 4*B*s^2*h + 4*T*h*i) + 2*T*h*V
+* bert:   as gpt2, plus 2*T*h^2 for the MLM head's transform
+* t5:     L*(E + D) + 2*T*h*V, E = 8*T*h^2 + 4*B*s^2*h + 4*T*h*i (encoder layer),
+          D = E + 8*T*h^2 + 4*B*s^2*h (plus cross-attention); source and target both s long
+* vit:    patch embedding 2*B*n*(3*p^2)*h for n patches of side p, then the gpt2
+          formula over s = n+1 tokens, and 2*B*h*V for the [CLS] classifier
+* resnet: sum over convolutions of 2*B*Ho*Wo*Cout*Cin*k^2, plus 2*B*w*V for the head
 """
 from __future__ import annotations
 

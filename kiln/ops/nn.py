@@ -26,11 +26,12 @@ def _matmul_flops(n) -> float:
 def vjp_linear(b, n, g):
     x, w = n.args[0], n.args[1]
     bias = arg(n, 2, "bias")
-    out_f, in_f = shape(w)
+    w2 = w if len(shape(w)) == 2 else reshape(b, w, [1, -1])      # a 1-D weight is one output feature
+    out_f, in_f = shape(w2)
     g2 = reshape(b, g, [-1, out_f])                               # (tokens, out)
-    gx = reshape(b, b(aten.mm.default, g2, w), shape(x))           # (tokens, in)
+    gx = reshape(b, b(aten.mm.default, g2, w2), shape(x))          # (tokens, in)
     x2 = reshape(b, x, [-1, in_f])
-    gw = b(aten.mm.default, b(aten.t.default, g2), x2)             # (out, in)
+    gw = reshape(b, b(aten.mm.default, b(aten.t.default, g2), x2), shape(w))   # (out, in)
     gb = b(aten.sum.dim_IntList, g2, [0]) if bias is not None else None
     return gx, gw, gb
 
@@ -132,7 +133,7 @@ defop(aten._adaptive_avg_pool2d.default, lambda b, n, g: (
 # ---- dropout ----------------------------------------------------------------------------------
 def vjp_dropout(b, n, g, g_mask=None):
     x, p, train = n.args
-    if not train:
+    if train is not None and not train:      # train=None means training, as in ATen's kernel
         return g, None, None
     return b(aten.native_dropout_backward.default, g, n.outputs[1], 1.0 / (1.0 - p) if p < 1 else 0.0), None, None
 

@@ -69,16 +69,26 @@ defop(aten.pow.Tensor_Scalar, vjp_pow_scalar, P, F32)
 
 def vjp_pow_tensor(b, n, g):
     x, e = n.args
-    # d/dx = e * x^(e-1); d/de = x^e * log(x)  (where x > 0; torch masks x == 0 the same way)
-    gx = b(aten.mul.Tensor, g, b(aten.mul.Tensor, e, b(aten.pow.Tensor_Tensor, x, b(aten.sub.Tensor, e, 1))))
-    logx = b(aten.where.ScalarOther, b(aten.ne.Scalar, x, 0), b(aten.log.default, x), 0.0)
-    ge = b(aten.mul.Tensor, g, b(aten.mul.Tensor, n.out, logx))
-    return gx, ge
+    # d/dx = e * x^(e-1), but 0 where e == 0 (else 0 * 0^-1 = nan at x == 0), as torch
+    dx = b(aten.mul.Tensor, e, b(aten.pow.Tensor_Tensor, x, b(aten.sub.Tensor, e, 1)))
+    gx = b(aten.mul.Tensor, g, b(aten.where.ScalarSelf, b(aten.eq.Scalar, e, 0), 0.0, dx))
+    # d/de = x^e * log(x), 0 where x == 0 and e >= 0 (torch's convention; x == 0, e < 0 stays -inf)
+    xp = cast(b, x, n.out.meta.dtype)
+    flat = b(aten.logical_and.default, b(aten.eq.Scalar, x, 0), b(aten.ge.Scalar, e, 0))
+    de = b(aten.where.ScalarSelf, flat, 0.0, b(aten.mul.Tensor, n.out, b(aten.log.default, xp)))
+    return gx, b(aten.mul.Tensor, g, de)
 
 
 defop(aten.pow.Tensor_Tensor, vjp_pow_tensor, P, F32)
-defop(aten.pow.Scalar, lambda b, n, g: (None, b(aten.mul.Tensor, b(aten.mul.Tensor, g, n.out),
-                                                 float(torch.log(torch.tensor(float(n.args[0])))))), P, F32)
+def vjp_pow_scalar_base(b, n, g):
+    base, e = n.args
+    if base == 0:   # d(0^e)/de: 0 where e >= 0 (not 0 * -inf = nan), -inf * 0^e elsewhere, as torch
+        return None, b(aten.where.ScalarSelf, b(aten.ge.Scalar, e, 0), 0.0,
+                       b(aten.mul.Tensor, b(aten.mul.Tensor, g, n.out), float("-inf")))
+    return None, b(aten.mul.Tensor, b(aten.mul.Tensor, g, n.out), float(torch.log(torch.tensor(float(base)))))
+
+
+defop(aten.pow.Scalar, vjp_pow_scalar_base, P, F32)
 
 
 # ---- unary math -------------------------------------------------------------------------------
@@ -108,8 +118,15 @@ defop(aten.hardtanh.default, lambda b, n, g: (
     b(aten.hardtanh_backward.default, g, n.args[0], arg(n, 1, "min_val", -1.0), arg(n, 2, "max_val", 1.0)),), P)
 defop(aten.leaky_relu.default, lambda b, n, g: (
     b(aten.leaky_relu_backward.default, g, n.args[0], arg(n, 1, "negative_slope", 0.01), False),), P)
-defop(aten.elu.default, lambda b, n, g: (b(aten.elu_backward.default, g, arg(n, 1, "alpha", 1.0),
-                                           arg(n, 2, "scale", 1.0), arg(n, 3, "input_scale", 1.0), True, n.out),), P)
+def vjp_elu(b, n, g):
+    alpha, scale, in_scale = arg(n, 1, "alpha", 1.0), arg(n, 2, "scale", 1.0), arg(n, 3, "input_scale", 1.0)
+    # from the output (the input can be freed) unless alpha < 0, where the output does not determine it
+    if alpha >= 0:
+        return (b(aten.elu_backward.default, g, alpha, scale, in_scale, True, n.out),)
+    return (b(aten.elu_backward.default, g, alpha, scale, in_scale, False, n.args[0]),)
+
+
+defop(aten.elu.default, vjp_elu, P)
 
 
 # ---- casts and copies -------------------------------------------------------------------------

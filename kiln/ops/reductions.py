@@ -43,12 +43,15 @@ defop((aten.mean.default, aten.mean.dim), vjp_mean, R, F32)
 
 def vjp_var(b, n, g):
     x = n.args[0]
-    dims, corr, keep = arg(n, 1, "dim"), n.kwargs.get("correction", 1), n.kwargs.get("keepdim", False)
+    dims, corr, keep = arg(n, 1, "dim") or None, n.kwargs.get("correction"), n.kwargs.get("keepdim", False)
+    corr = 1 if corr is None else corr                 # correction=None means Bessel's correction
     count = x.meta.numel // max(n.out.meta.numel, 1)
     mean = b(aten.mean.dim, x, norm_dims(dims, len(shape(x))), True)
     centered = b(aten.sub.Tensor, x, mean)
     g = _unreduce(b, g, x, dims, keep)
-    return (b(aten.mul.Tensor, b(aten.mul.Tensor, g, centered), 2.0 / max(count - (corr or 0), 1)),)
+    # count <= correction: the forward divides by zero too; keep the same inf/nan as torch
+    factor = 2.0 / (count - corr) if count != corr else float("inf")
+    return (b(aten.mul.Tensor, b(aten.mul.Tensor, g, centered), factor),)
 
 
 defop(aten.var.correction, vjp_var, R, F32)

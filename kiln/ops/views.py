@@ -34,8 +34,13 @@ defop(aten.slice.Tensor, lambda b, n, g: (b(aten.slice_backward.default, g, shap
                                             arg(n, 2, "start", None) or 0, _end(arg(n, 3, "end", None)),
                                             arg(n, 4, "step", 1)),), V)
 defop(aten.select.int, lambda b, n, g: (b(aten.select_backward.default, g, shape(n.args[0]), n.args[1], n.args[2]),), V)
-defop(aten.narrow.default, lambda b, n, g: (b(aten.slice_backward.default, g, shape(n.args[0]), n.args[1],
-                                             n.args[2], n.args[2] + n.args[3], 1),), V)
+def vjp_narrow(b, n, g):
+    x, dim, start, length = n.args
+    start = start + shape(x)[dim] if start < 0 else start     # negative start counts from the end
+    return (b(aten.slice_backward.default, g, shape(x), dim, start, start + length, 1),)
+
+
+defop(aten.narrow.default, vjp_narrow, V)
 
 
 def _end(end):

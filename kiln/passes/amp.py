@@ -126,3 +126,17 @@ def _refresh(n) -> None:
     for v, m in zip(n.outputs, infer_metas(n.target, n.args, n.kwargs)):
         if m is not None and v.meta != m:
             v.meta = m
+
+
+_NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool | None:
+    """Whether this CPU multiplies `dtype` matrices natively (None if it cannot be told).
+    Without it, oneDNN emulates low-precision matmul and it is much slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else any(flag in flags for flag in _NATIVE_FLAGS[dtype])

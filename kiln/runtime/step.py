@@ -15,7 +15,7 @@ from kiln.dialects import registry as dialect_registry
 from kiln.errors import InputError, KilnError
 from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
-from kiln.passes.amp import AmpPolicy
+from kiln.passes.amp import AmpPolicy, cpu_has_native
 from kiln.passes.pipeline import AMP_STATE, Context, run_pipeline
 from kiln.runtime.codegen import generate
 
@@ -69,6 +69,11 @@ class CompiledStep:
         self.max_programs = max_programs
         self.verify = verify
         self.amp = AmpPolicy.make(amp, amp_overrides) if amp is not None else None
+        on_cpu = all(p.device.type == "cpu" for p in self.params.values())
+        if self.amp is not None and on_cpu and cpu_has_native(self.amp.dtype) is False:
+            log.warning("kiln: amp=%r on a CPU without native %s matrix multiply (torch CPU capability %s): "
+                        "oneDNN emulates it, so this will be slower than fp32", amp,
+                        str(self.amp.dtype).replace("torch.", ""), torch.backends.cpu.get_cpu_capability())
         self.state: dict[str, dict[str, torch.Tensor]] = {n: optimizer.init_state(p) for n, p in self.params.items()}
         if self.amp is not None and self.amp.dtype == torch.float16:
             self.state[AMP_STATE] = {"scale": torch.tensor(float(init_loss_scale)),

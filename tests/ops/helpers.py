@@ -64,12 +64,22 @@ def run_op(target, args, kwargs=None, seed: int | None = None) -> list:
         return _as_list(target(*args, **(kwargs or {})))
 
 
-def make_cotangents(target, args, kwargs=None, seed: int | None = None, gen_seed: int = 1234) -> list:
-    """A random cotangent for every floating output (None for the others)."""
+def make_cotangents(target, args, kwargs=None, seed: int | None = None, gen_seed: int = 1234,
+                    strided: bool = False) -> list:
+    """A random cotangent for every floating output (None for the others). `strided`: laid out
+    non-contiguously (transposed, or every other element), so rules see non-contiguous gradients."""
     outs = run_op(target, args, kwargs, seed)
     gen = torch.Generator().manual_seed(gen_seed)
-    return [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) if _is_param(o) else None
-            for o in outs]
+
+    def cot(o):
+        shape = list(o.shape)
+        if not strided or not shape:
+            return torch.randn(shape, generator=gen, dtype=torch.float64).to(o.dtype)
+        if len(shape) == 1:
+            return torch.randn(shape[0] * 2, generator=gen, dtype=torch.float64).to(o.dtype)[::2]
+        t = torch.randn(shape[:-2] + [shape[-1], shape[-2]], generator=gen, dtype=torch.float64)
+        return t.to(o.dtype).transpose(-1, -2)
+    return [cot(o) if _is_param(o) else None for o in outs]
 
 
 def kiln_vjp(target, args, kwargs, cotangents, seed: int | None = None, return_outputs: bool = False,
@@ -123,8 +133,9 @@ def kiln_vjp(target, args, kwargs, cotangents, seed: int | None = None, return_o
 
 
 def torch_vjp(target, args, kwargs, cotangents, seed: int | None = None, return_outputs: bool = False,
-              frozen: frozenset = frozenset()):
-    """The reference: torch.autograd.grad of the same OpOverload call with the same cotangents."""
+              frozen: frozenset = frozenset(), ref=None):
+    """The reference: torch.autograd.grad of the same OpOverload call with the same cotangents
+    (or of `ref`, an equivalent call, for the few ops autograd has no formula for)."""
     kwargs = kwargs or {}
     leaves = []
 
@@ -140,7 +151,7 @@ def torch_vjp(target, args, kwargs, cotangents, seed: int | None = None, return_
     if seed is not None:
         torch.manual_seed(seed)
     with torch.enable_grad():
-        outs = _as_list(target(*largs, **lkwargs))
+        outs = _as_list((ref or target)(*largs, **lkwargs))
         pairs = [(o, c) for o, c in zip(outs, cotangents)
                  if c is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         if pairs:
@@ -157,16 +168,23 @@ def _is_zero(t) -> bool:
 
 
 def check_vjp(target, args, kwargs=None, *, rtol: float, atol: float, seed: int | None = None,
-              cotangents=None, what: str = "") -> None:
-    """Assert that Kiln's gradients (and forward outputs) match torch.autograd's."""
+              cotangents=None, outputs: Sequence[int] | None = None, ref=None, strided_cotangents: bool = False,
+              what: str = "") -> None:
+    """Assert that Kiln's gradients (and forward outputs) match torch.autograd's.
+    `outputs`: indices of the outputs that get a cotangent (default: every floating output).
+    `ref`: an equivalent callable for torch's side, where autograd has no formula for `target`.
+    `strided_cotangents`: non-contiguous cotangents (so the rule gets non-contiguous gradients)."""
     kwargs = kwargs or {}
     if cotangents is None:
-        cotangents = make_cotangents(target, args, kwargs, seed)
+        cotangents = make_cotangents(target, args, kwargs, seed, strided=strided_cotangents)
+    if outputs is not None:
+        cotangents = [c if i in outputs else None for i, c in enumerate(cotangents)]
     label = f"{target}{' ' + what if what else ''}"
     frozen = frozenset()
     while True:
         try:
-            t_outs, t_grads = torch_vjp(target, args, kwargs, cotangents, seed, return_outputs=True, frozen=frozen)
+            t_outs, t_grads = torch_vjp(target, args, kwargs, cotangents, seed, return_outputs=True,
+                                        frozen=frozen, ref=ref)
             break
         except RuntimeError as e:
             # torch refuses to differentiate some arguments (nll_loss's weight, ...): Kiln must refuse

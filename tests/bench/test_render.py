@@ -1,0 +1,36 @@
+"""Formatting of the table cells and notes shared by the terminal and the Markdown report."""
+from kiln.bench import render
+
+
+def _report(**machine):
+    ok = dict(status="ok", ttfs_s=12.5, step_median_s=0.0571, step_min_s=0.05, step_max_s=0.4221,
+              speedup_vs_baseline=1.0, items_per_s=1130.4, achieved_flops_per_s=2.5e9, peak_fraction=0.0312,
+              dtype="fp32", peak_rss_bytes=386 * 2 ** 20, memory_vs_baseline=1.0, loss_first=5.54961,
+              loss_last=5.48041, measured_steps=3, budget_truncated=True)
+    return {"machine": {"usable_cpus": 2, **machine},
+            "config": {"baseline": "eager", "unit": "tokens", "budget_s": 120},
+            "results": [dict(ok, mode="eager"), dict(mode="kiln", status="unavailable", reason="no amp")]}
+
+
+def test_rows():
+    (eager, kiln), head = render.rows(_report()), render.headers(_report())
+    cell = dict(zip(head, eager))
+    assert cell["Mode"] == "eager (base)" and cell["1st step"] == "12.50 s"
+    assert cell["Step median (min-max)"] == "57 (50-422) ms"
+    assert cell["tokens/s"] == "1,130" and cell["GFLOP/s (% peak)"] == "2.5 (3.1% fp32)"
+    assert cell["Peak RSS MiB"] == "386 (1.00x)" and cell["Loss 1st -> last"] == "5.5496 -> 5.4804"
+    assert cell["n"] == "3*"
+    assert kiln[:2] == ["kiln", "n/a"] and set(kiln[2:]) == {"-"}
+
+
+def test_notes():
+    notes = render.notes(_report(load_average_1m=0.1))
+    assert notes[0] == "kiln: not available: no amp"
+    assert "120 s time budget" in notes[1] and len(notes) == 2
+    assert "machine was busy" in render.notes(_report(load_average_1m=1.9))[-1]
+
+
+def test_markdown_table():
+    lines = render.markdown_table(_report()).splitlines()
+    assert lines[0].startswith("| Mode | Status | 1st step |") and lines[1].startswith("|---|---|---:|")
+    assert lines[2].startswith("| eager (base) | ok | 12.50 s | 57 (50-422) ms |") and len(lines) == 4
