@@ -25,16 +25,30 @@ defop(aten.gather.default, lambda b, n, g: (
     b(aten.scatter_add.default, _zeros_like(b, n.args[0]), n.args[1], n.args[2], g), None, None), I)
 
 
+def _gather_src_grad(b, g, dim, index, src):
+    """src's gradient for scatter/scatter_add: g gathered at index. Only src's leading index-shaped
+    block is read, so where src is larger the rest gets zeros (padded at the end of each dim)."""
+    gsrc = b(aten.gather.default, g, dim, index)
+    if shape(src) != shape(index):
+        pads = []
+        for s, i in reversed(list(zip(shape(src), shape(index)))):
+            pads += [0, s - i]
+        gsrc = b(aten.constant_pad_nd.default, gsrc, pads, 0.0)
+    return gsrc
+
+
 def vjp_scatter_src(b, n, g):
     """scatter(x, dim, index, src): x's gradient is g with the written places zeroed; src's is gathered."""
     x, dim, index = n.args[0], n.args[1], n.args[2]
     gx = b(aten.scatter.value, g, dim, index, 0.0)
-    gsrc = b(aten.gather.default, g, dim, index) if len(n.args) > 3 and hasattr(n.args[3], "meta") else None
+    src = n.args[3] if len(n.args) > 3 else None
+    gsrc = _gather_src_grad(b, g, dim, index, src) if hasattr(src, "meta") else None
     return gx, None, None, gsrc
 
 
 defop((aten.scatter.src, aten.scatter.value), vjp_scatter_src, I)
-defop(aten.scatter_add.default, lambda b, n, g: (g, None, None, b(aten.gather.default, g, n.args[1], n.args[2])), I)
+defop(aten.scatter_add.default, lambda b, n, g: (
+    g, None, None, _gather_src_grad(b, g, n.args[1], n.args[2], n.args[3])), I)
 
 
 def vjp_index_put(b, n, g):

@@ -202,3 +202,33 @@ def test_step_returns_detached_loss_and_updates_in_place():
     assert [id(p) for p in model.parameters()] == ids
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert all(p.grad is None for p in model.parameters())     # torch.autograd was never involved
+
+
+def test_frozen_parameters_are_read_not_updated():
+    model, x, y = mlp_and_data()
+    model[0].weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    frozen = model[0].weight.detach().clone()
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-2), loss_fn=ce)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        step(x, y)
+        opt.zero_grad()
+        ce(ref, x, y).backward()
+        opt.step()
+    assert torch.equal(model[0].weight, frozen)
+    assert "0.weight" not in step.state_dict()["state"]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_train_and_eval_mode_compile_separate_programs():
+    model, x, y = mlp_and_data()
+    model.append(nn.Dropout(0.5))
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.0), loss_fn=ce)
+    model.eval()
+    a, b = step(x, y), step(x, y)
+    assert torch.equal(a, b)                      # eval: dropout is off, lr 0: same loss twice
+    model.train()
+    step(x, y)
+    assert len(step.programs) == 2
