@@ -51,12 +51,44 @@ defop(aten.scatter_add.default, lambda b, n, g: (
     g, None, None, _gather_src_grad(b, g, n.args[1], n.args[2], n.args[3])), I)
 
 
+def _masked_values_grad(b, g, mask, values):
+    """values' gradient for index_put(x, [mask], values) with a bool mask over x's leading dims.
+    g[mask] has a data-dependent length, which shape inference cannot give: take it from values
+    when values spans it, else sum g over the masked positions (values broadcast along it)."""
+    k, rest = len(shape(mask)), shape(g)[len(shape(mask)):]
+    vs = shape(values)
+    if len(vs) == len(rest) + 1 and vs[0] != 1:           # values: (nnz, *rest'), nnz known statically
+        meta = type(g.meta)(tuple([vs[0]] + rest), g.meta.dtype, tuple(_contig_strides([vs[0]] + rest)),
+                            g.meta.device)
+        return b.emit(aten.index.Tensor, (g, [mask]), {}, metas=[meta])
+    m = mask
+    for _ in rest:
+        m = b(aten.unsqueeze.default, m, -1)
+    gv = b(aten.sum.dim_IntList, b(aten.where.ScalarOther, m, g, 0.0), list(range(k)), len(vs) > len(rest))
+    # keep the mask's dims as one size-1 dim where values has it (autodiff sums the rest back)
+    return b(aten.view.default, gv, [1] + rest) if len(vs) > len(rest) and k != 1 else gv
+
+
+def _contig_strides(s):
+    strides, acc = [], 1
+    for d in reversed(s):
+        strides.insert(0, acc)
+        acc *= max(d, 1)
+    return strides
+
+
 def vjp_index_put(b, n, g):
     x, indices, values = n.args[0], n.args[1], n.args[2]
     accumulate = arg(n, 3, "accumulate", False)
     gx = g if accumulate else b(aten.index_put.default, g, indices, b(aten.zeros.default, [], dtype=g.meta.dtype,
                                                                        device=g.meta.device), False)
-    gv = b(aten.index.Tensor, g, indices)
+    masks = [i for i in indices if i is not None and i.meta.dtype in (torch.bool, torch.uint8)]
+    if not masks:
+        gv = b(aten.index.Tensor, g, indices)
+    elif len(indices) == 1:            # x[mask] = values: the common masked assignment
+        gv = _masked_values_grad(b, g, indices[0], values)
+    else:
+        raise NotImplementedError("index_put with a boolean mask among several indices")
     return gx, None, gv
 
 

@@ -1,9 +1,11 @@
 """Reductions. One block per op; each gradient broadcasts back over the reduced dimensions."""
 from __future__ import annotations
 
+import math
+
 import torch
 
-from kiln.ops.common import arg, cast, norm_dims, shape
+from kiln.ops.common import ZERO, arg, cast, norm_dims, shape
 from kiln.ops.registry import Cast, Kind, defop, nondiff
 
 aten = torch.ops.aten
@@ -91,14 +93,35 @@ defop(aten.flip.default, lambda b, n, g: (b(aten.flip.default, g, n.args[1]),), 
 
 
 def vjp_vector_norm(b, n, g):
-    x, ord_ = n.args[0], arg(n, 1, "ord", 2)
-    dims, keep = arg(n, 2, "dim"), arg(n, 3, "keepdim", False)
-    if ord_ != 2:
-        raise NotImplementedError("linalg_vector_norm gradient: only ord=2")
-    # d||x||/dx = x / ||x||  (0 where the norm is 0)
+    """The gradient of ||x||_p for every ord, with torch's conventions at 0 (and ties for inf)."""
+    x, p = n.args[0], float(arg(n, 1, "ord", 2))
+    dims, keep = arg(n, 2, "dim") or None, arg(n, 3, "keepdim", False)     # dim=[]: all dims
     norm = _unreduce(b, n.out, x, dims, keep)
-    safe = b(aten.masked_fill.Scalar, norm, b(aten.eq.Scalar, norm, 0), 1.0)
-    return (b(aten.mul.Tensor, _unreduce(b, g, x, dims, keep), b(aten.div.Tensor, x, safe)),)
+    g = _unreduce(b, g, x, dims, keep)
+    if p == 0:                                   # counts non-zeros: piecewise constant
+        return (ZERO,)
+    sgn = b(aten.sgn.default, x)
+    if p == 1:
+        return (b(aten.mul.Tensor, g, sgn),)
+    if p == 2:                                   # x / ||x||, 0 where the norm is 0
+        safe = b(aten.masked_fill.Scalar, norm, b(aten.eq.Scalar, norm, 0), 1.0)
+        return (b(aten.mul.Tensor, g, b(aten.div.Tensor, x, safe)),)
+    ax = b(aten.abs.default, x)
+    if math.isinf(p):                            # max |x|: ties (and nans) share the gradient evenly
+        hit = b(aten.logical_or.default, b(aten.eq.Tensor, ax, norm), b(aten.isnan.default, ax))
+        count = b(aten.sum.dim_IntList, b(aten._to_copy.default, hit, dtype=g.meta.dtype),
+                  norm_dims(dims, len(shape(x))), True)
+        return (b(aten.mul.Tensor, sgn, b(aten.where.ScalarOther, hit, b(aten.div.Tensor, g, count), 0.0)),)
+    if p < 1:                                    # sgn(x) |x|^(p-1) ||x||^(1-p), 0 at x == 0
+        xs = b(aten.where.ScalarSelf, b(aten.eq.Scalar, x, 0), 0.0, b(aten.pow.Tensor_Scalar, ax, p - 1))
+        return (b(aten.mul.Tensor, b(aten.mul.Tensor, b(aten.mul.Tensor, sgn, xs), g),
+                  b(aten.pow.Tensor_Scalar, norm, 1 - p)),)
+    # 1 < p: x |x|^(p-2) / ||x||^(p-1) (sgn(x) |x|^(p-1) below 2, no negative power of 0), 0 where ||x|| == 0
+    xs = b(aten.mul.Tensor, sgn, b(aten.pow.Tensor_Scalar, ax, p - 1)) if p < 2 else \
+        b(aten.mul.Tensor, x, b(aten.pow.Tensor_Scalar, ax, p - 2))
+    scale = b(aten.div.Tensor, g, b(aten.pow.Tensor_Scalar, norm, p - 1))
+    scale = b(aten.masked_fill.Scalar, scale, b(aten.eq.Scalar, norm, 0), 0.0)
+    return (b(aten.mul.Tensor, xs, scale),)
 
 
 defop(aten.linalg_vector_norm.default, vjp_vector_norm, R, F32)

@@ -83,10 +83,11 @@ def make_cotangents(target, args, kwargs=None, seed: int | None = None, gen_seed
 
 
 def kiln_vjp(target, args, kwargs, cotangents, seed: int | None = None, return_outputs: bool = False,
-             frozen: frozenset = frozenset()):
+             frozen: frozenset = frozenset(), info: dict | None = None):
     """Gradients of sum_i sum(out_i * cot_i) w.r.t. every floating tensor in (args, kwargs), computed
     by Kiln's autodiff and generated code. Entries are None where Kiln gives no gradient.
-    Tensors whose id() is in `frozen` are plain inputs, not parameters.
+    Tensors whose id() is in `frozen` are plain inputs, not parameters. `info`, when given, gets
+    "fallback": whether autodiff used the torch.func.vjp fallback, and "source": the generated code.
     With `return_outputs`, returns (forward outputs, grads)."""
     kwargs = kwargs or {}
     is_param = lambda t: _is_param(t) and id(t) not in frozen  # noqa: E731
@@ -120,7 +121,10 @@ def kiln_vjp(target, args, kwargs, cotangents, seed: int | None = None, return_o
     have = [p for p in params if p in grads]
     graph.outputs = [loss] + [grads[p] for p in have] + outs
     dispatch(graph, ("aten",))
-    _, fn = generate(graph, "kiln_vjp_step", return_all=True)
+    source, fn = generate(graph, "kiln_vjp_step", return_all=True)
+    if info is not None:
+        info["fallback"] = any(n.op.name.startswith("kiln.fallback") for n in graph.nodes)
+        info["source"] = source
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():
@@ -169,11 +173,13 @@ def _is_zero(t) -> bool:
 
 def check_vjp(target, args, kwargs=None, *, rtol: float, atol: float, seed: int | None = None,
               cotangents=None, outputs: Sequence[int] | None = None, ref=None, strided_cotangents: bool = False,
-              what: str = "") -> None:
+              fallback: bool = False, what: str = "") -> None:
     """Assert that Kiln's gradients (and forward outputs) match torch.autograd's.
     `outputs`: indices of the outputs that get a cotangent (default: every floating output).
     `ref`: an equivalent callable for torch's side, where autograd has no formula for `target`.
-    `strided_cotangents`: non-contiguous cotangents (so the rule gets non-contiguous gradients)."""
+    `strided_cotangents`: non-contiguous cotangents (so the rule gets non-contiguous gradients).
+    `fallback`: whether Kiln is expected to take the torch.func.vjp fallback (no rule, or a rule that
+    declines these arguments); by default a rule must handle the call itself."""
     kwargs = kwargs or {}
     if cotangents is None:
         cotangents = make_cotangents(target, args, kwargs, seed, strided=strided_cotangents)
@@ -197,7 +203,10 @@ def check_vjp(target, args, kwargs=None, *, rtol: float, atol: float, seed: int 
     if frozen:
         with pytest.raises(KilnError):
             kiln_vjp(target, args, kwargs, cotangents, seed)
-    k_outs, k_grads = kiln_vjp(target, args, kwargs, cotangents, seed, return_outputs=True, frozen=frozen)
+    info: dict = {}
+    k_outs, k_grads = kiln_vjp(target, args, kwargs, cotangents, seed, return_outputs=True, frozen=frozen, info=info)
+    assert info["fallback"] == fallback, (f"{label}: expected {'the fallback' if fallback else 'the VJP rule'}, "
+                                          f"got {'the fallback' if info['fallback'] else 'the rule'}:\n{info['source']}")
     for i, (ko, to) in enumerate(zip(k_outs, t_outs)):
         if isinstance(to, torch.Tensor):
             torch.testing.assert_close(ko, to, rtol=rtol, atol=atol, equal_nan=True,

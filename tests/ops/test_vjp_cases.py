@@ -29,6 +29,7 @@ class Case:
     tol32: dict = field(default_factory=dict)     # float32 only: looser where the kernels accumulate differently
     outputs: tuple | None = None                  # outputs that get a cotangent (default: all floating ones)
     ref: Callable | None = None                   # torch side, where autograd has no formula for the op
+    fallback: bool = False                        # the rule declines these arguments (logged fallback)
 
 
 def R(*shape, d, lo=None, hi=None):
@@ -257,8 +258,13 @@ CASES = [
                                                                           dict(dtype=torch.float64))),
     Case("vector_norm-zero-row", aten.linalg_vector_norm.default,
          lambda d: ((torch.cat([R(2, 4, d=d), torch.zeros(1, 4, dtype=d)]), 2, [1]), {})),
-    Case("vector_norm-ord1 (fallback)", aten.linalg_vector_norm.default, lambda d: ((R(3, 4, d=d), 1, [1]), {})),
-    Case("vector_norm-inf (fallback)", aten.linalg_vector_norm.default, lambda d: ((R(3, 4, d=d), float("inf")), {})),
+    *[Case(f"vector_norm-ord{p}", aten.linalg_vector_norm.default,
+           lambda d, p=p: ((torch.cat([NC(3, 4, d=d), torch.zeros(1, 4, dtype=d)]), p, [1]), {}))
+      for p in (0, 1, 0.5, 1.5, 3, -1.5)],
+    Case("vector_norm-inf-ties", aten.linalg_vector_norm.default,
+         lambda d: ((torch.cat([with_ties(d), -with_ties(d)]), float("inf"), [1], True), {})),
+    Case("vector_norm-neg-inf", aten.linalg_vector_norm.default, lambda d: ((with_ties(d), float("-inf")), {})),
+    Case("vector_norm-ord3-0dim", aten.linalg_vector_norm.default, lambda d: ((R(d=d), 3), {})),
     # ---- indexing ----
     Case("embedding", aten.embedding.default, lambda d: ((R(10, 4, d=d), I(3, 5, high=10)), {})),
     Case("embedding-padding_idx", aten.embedding.default,
@@ -293,6 +299,21 @@ CASES = [
          lambda d: ((R(5, 3, d=d), [torch.tensor([1, 1, 4])], R(3, 3, d=d), True), {})),
     Case("index_put-bcast-value", aten.index_put.default,
          lambda d: ((NC(5, 3, d=d), [torch.tensor([0, 2])], R(3, d=d)), {})),
+    # x[mask] = values (boolean mask): values full length, broadcast along the mask, or a scalar
+    Case("index_put-mask-values-full", aten.index_put.default,
+         lambda d: ((R(5, 3, d=d), [torch.tensor([True, False, True, True, False])], R(3, 3, d=d)), {})),
+    Case("index_put-mask-2d-values-row", aten.index_put.default,
+         lambda d: ((NC(4, 3, 2, d=d), [_bool(4, 3)], R(2, d=d)), {})),
+    Case("index_put-mask-2d-values-1row", aten.index_put.default,
+         lambda d: ((R(4, 3, 2, d=d), [_bool(4, 3)], R(1, 2, d=d)), {})),
+    Case("index_put-mask-2d-values-full", aten.index_put.default,
+         lambda d: ((R(3, 3, 2, d=d), [torch.eye(3, dtype=torch.bool)], R(3, 2, d=d)), {})),
+    Case("index_put-mask-scalar-accumulate", aten.index_put.default,
+         lambda d: ((R(4, 5, d=d), [_bool(4, 5)], R(d=d), True), {})),
+    Case("index_put-mask-values-len1", aten.index_put.default,
+         lambda d: ((R(5, 3, d=d), [torch.tensor([True, False, True, True, False])], R(1, 3, d=d)), {})),
+    Case("index_put-mask-none-selected", aten.index_put.default,
+         lambda d: ((R(5, 3, d=d), [torch.zeros(5, dtype=torch.bool)], R(3, d=d)), {})),
     Case("slice_scatter", aten.slice_scatter.default, lambda d: ((R(6, 4, d=d), R(6, 2, d=d), 1, 1, 4, 2), {})),
     Case("slice_scatter-defaults", aten.slice_scatter.default, lambda d: ((R(6, 4, d=d), NC(3, 4, d=d)),
                                                                           dict(start=2, end=5))),
@@ -413,4 +434,4 @@ def test_vjp_case(case: Case, dtype, strided):
     args, kwargs = case.make(dtype)
     tol = dict(TOL[dtype], **(case.tol32 if dtype == torch.float32 else {}))
     check_vjp(case.target, args, kwargs, seed=case.seed, outputs=case.outputs, ref=case.ref,
-              strided_cotangents=strided, what=f"[{case.id} {dtype}{' strided grad' if strided else ''}]", **tol)
+              fallback=case.fallback, strided_cotangents=strided, what=f"[{case.id} {dtype}{' strided grad' if strided else ''}]", **tol)

@@ -1,0 +1,113 @@
+"""kiln.kernels: fused training kernels as PyTorch custom ops (namespace `kiln`).
+
+Each function here calls one `torch.ops.kiln.<name>` custom op. The ops have fake (meta)
+implementations, so `torch.export` and `torch.compile` keep them as single nodes; an autograd
+formula whose backward is its own fused op (`kiln::<name>_backward`) that saves only what it needs;
+a CPU implementation written with ATen calls; and a GPU slot (`GPU_IMPLS`, empty today). Kiln's
+compiler knows each op (`kiln/ops/kernels.py`, `kiln/dialects/kiln_kernels.py`), so a model calling
+these functions compiles with the kernels kept fused, forward and backward. See docs/kernels.md.
+
+Only the first output(s) of each op are returned here; the others (statistics, masks) are the
+op's saved-for-backward values and are not differentiable.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kiln.kernels._common import GPU_IMPLS
+from kiln.kernels import activations, cross_entropy, norms, rope as _rope  # noqa: F401  (registers the ops)
+
+__all__ = ["rms_norm", "dropout_add_layer_norm", "linear_gelu", "swiglu", "swiglu_linear", "rope",
+           "linear_cross_entropy", "GPU_IMPLS", "OPS"]
+
+_k = torch.ops.kiln
+
+# every custom op of the library, forward and backward (the compiler registers each of them)
+OPS = {name: getattr(_k, name).default for name in (
+    "rms_norm", "add_rms_norm", "rms_norm_backward",
+    "dropout_add_layer_norm", "dropout_add_layer_norm_backward",
+    "swiglu", "swiglu_backward", "swiglu_linear", "swiglu_linear_backward",
+    "linear_gelu", "linear_gelu_backward",
+    "rope", "rope_backward",
+    "linear_cross_entropy", "linear_cross_entropy_backward")}
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Optional[Tensor] = None):
+    """RMSNorm over the last dimension, optionally fused with the residual add before it.
+
+    `out = s / sqrt(mean(s**2, -1) + eps) * weight` with `s = x` (or `s = x + residual`), statistics in
+    fp32 for half types. Output dtype: `promote(s.dtype, weight.dtype)`.
+
+    Returns:
+        `out` if `residual` is None (op `kiln::rms_norm`), else the tuple `(out, s)` where `s = x + residual`
+        is the new residual stream (op `kiln::add_rms_norm`). `x` and `residual` must have the same shape.
+    """
+    if residual is None:
+        return _k.rms_norm(x, weight, eps)[0]
+    out, s, _ = _k.add_rms_norm(x, residual, weight, eps)
+    return out, s
+
+
+def dropout_add_layer_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                           p: float = 0.0, eps: float = 1e-5, training: bool = True) -> tuple[Tensor, Tensor]:
+    """`s = dropout(x, p, training) + residual; out = layer_norm(s, (x.shape[-1],), weight, bias, eps)`.
+
+    Returns the tuple `(out, s)`: the normalized output and the new residual sum. The keep-mask is drawn
+    once in the forward from the global RNG (the same draws as `F.dropout`, so a fixed seed gives eager's
+    mask) and stored as bool; the backward uses that mask. `x` and `residual` must have the same shape.
+    """
+    out, s, _mean, _rstd, _mask = _k.dropout_add_layer_norm(x, residual, weight, bias, float(p), float(eps),
+                                                            bool(training))
+    return out, s
+
+
+def linear_gelu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, approximate: str = "none") -> Tensor:
+    """`F.gelu(F.linear(x, weight, bias), approximate=approximate)`.
+
+    The activation is applied in place on the matmul's output. The backward recomputes the
+    pre-activation (one extra matmul) so nothing but `x` is stored for it.
+    """
+    return _k.linear_gelu(x, weight, bias, approximate)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """`F.silu(gate) * up` (same shapes). Stores gate and up for the backward, not silu(gate)."""
+    return _k.swiglu(gate, up)
+
+
+def swiglu_linear(x: Tensor, gate_weight: Tensor, up_weight: Tensor) -> Tensor:
+    """`F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight)`: Llama's MLP before `down_proj`.
+
+    Both projections run as one matmul over the stacked weights; weights are (intermediate, hidden),
+    no bias. The backward keeps x and the (..., 2 * intermediate) product, not silu(gate).
+    """
+    return _k.swiglu_linear(x, gate_weight, up_weight)[0]
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: Optional[int] = None
+         ) -> tuple[Tensor, Tensor]:
+    """Rotary embedding, Llama convention: `t * cos + rotate_half(t) * sin` for t in (q, k).
+
+    `cos` and `sin` must broadcast to q and k; Hugging Face passes (batch, seq, dim) tables with
+    (batch, heads, seq, dim) q/k and `unsqueeze_dim=1`, which this accepts the same way. The last
+    dimension must be even. Returns `(q_rotated, k_rotated)`.
+    """
+    if unsqueeze_dim is not None:
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return _k.rope(q, k, cos, sin)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
+                         reduction: str = "mean", chunk_size: Optional[int] = None) -> Tensor:
+    """`F.cross_entropy(F.linear(hidden, weight).float().flatten(0, -2), labels.flatten(), ...)`, chunked.
+
+    hidden is (..., H), weight (vocab, H), labels hidden's leading shape. The logits are computed
+    `chunk_size` tokens at a time (default: as many as fit 8M logits), forward and backward, so the
+    (tokens x vocab) logits tensor is never materialized. reduction: "mean" (over non-ignored tokens;
+    nan if all are ignored, as PyTorch), "sum" or "none" (labels' shape, 0 at ignored tokens).
+    The loss is float32 for half-precision inputs (the softmax statistics always are).
+    """
+    return _k.linear_cross_entropy(hidden, weight, labels, int(ignore_index), reduction, int(chunk_size or 0))[0]

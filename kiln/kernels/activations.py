@@ -1,0 +1,212 @@
+"""Activation kernels: SwiGLU, the fused gate/up projection + SwiGLU, and Linear + GELU.
+
+Memory is where these win. Eager autograd of `silu(gate) * up` keeps gate, up *and* silu(gate); these
+kernels keep only what the backward cannot cheaply recompute (gate and up; the input of the fused
+projection plus its one (tokens, 2*intermediate) product), and recompute silu in the backward.
+`linear_gelu` keeps only its input: the backward recomputes the pre-activation with one matmul
+instead of storing a (tokens, out_features) tensor per layer. Everything is done in place where the
+buffer is the kernel's own, because on a CPU a fresh buffer costs page faults, not just bytes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kiln.kernels._common import gpu_impl, rows
+
+aten = torch.ops.aten
+
+
+# ---- SwiGLU -----------------------------------------------------------------------------------
+def _check_pair(gate: Tensor, up: Tensor) -> None:
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+
+
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    out = F.silu(gate).contiguous()
+    return out.mul_(up) if out.dtype == torch.promote_types(out.dtype, up.dtype) else out * up
+
+
+@torch.library.custom_op("kiln::swiglu", mutates_args=())
+def swiglu_op(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up."""
+    impl = gpu_impl("swiglu", gate)
+    if impl is not None:
+        return impl(gate, up)
+    _check_pair(gate, up)
+    return _swiglu(gate, up)
+
+
+@swiglu_op.register_fake
+def _(gate, up):
+    _check_pair(gate, up)
+    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
+
+
+@torch.library.custom_op("kiln::swiglu_backward", mutates_args=())
+def swiglu_backward_op(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """(grad_gate, grad_up) of silu(gate) * up; silu(gate) is recomputed, not stored."""
+    impl = gpu_impl("swiglu_backward", gate)
+    if impl is not None:
+        return impl(grad, gate, up)
+    grad_gate = torch.mul(grad, up).to(gate.dtype).contiguous()
+    aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+    grad_up = F.silu(gate).to(up.dtype).contiguous()
+    grad_up.mul_(grad)
+    return grad_gate, grad_up
+
+
+@swiglu_backward_op.register_fake
+def _(grad, gate, up):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_backward(ctx, grad):
+    gate, up = ctx.saved_tensors
+    return torch.ops.kiln.swiglu_backward(grad, gate, up)
+
+
+swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+# ---- gate/up projection + SwiGLU --------------------------------------------------------------
+def _check_proj(x: Tensor, gate_weight: Tensor, up_weight: Tensor) -> None:
+    if gate_weight.dim() != 2 or gate_weight.shape != up_weight.shape or gate_weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"swiglu_linear: x {tuple(x.shape)}, gate_weight {tuple(gate_weight.shape)} and "
+                         f"up_weight {tuple(up_weight.shape)} do not fit (weights are (intermediate, hidden))")
+
+
+@torch.library.custom_op("kiln::swiglu_linear", mutates_args=())
+def swiglu_linear_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, gate_up): out = silu(x @ gate_weight.T) * (x @ up_weight.T); gate_up is the one
+    (..., 2 * intermediate) product [gate | up] the backward needs."""
+    impl = gpu_impl("swiglu_linear", x)
+    if impl is not None:
+        return impl(x, gate_weight, up_weight)
+    _check_proj(x, gate_weight, up_weight)
+    inter = gate_weight.shape[0]
+    # one GEMM over the stacked weights instead of two: the (2I x H) copy is tokens-times cheaper than the product
+    gate_up = torch.mm(rows(x), torch.cat([gate_weight, up_weight]).t())
+    out = _swiglu(gate_up[:, :inter], gate_up[:, inter:])
+    lead = tuple(x.shape[:-1])
+    return out.reshape(lead + (inter,)), gate_up.reshape(lead + (2 * inter,))
+
+
+@swiglu_linear_op.register_fake
+def _(x, gate_weight, up_weight):
+    _check_proj(x, gate_weight, up_weight)
+    lead, inter = tuple(x.shape[:-1]), gate_weight.shape[0]
+    dtype = torch.promote_types(x.dtype, gate_weight.dtype)
+    return x.new_empty(lead + (inter,), dtype=dtype), x.new_empty(lead + (2 * inter,), dtype=dtype)
+
+
+@torch.library.custom_op("kiln::swiglu_linear_backward", mutates_args=())
+def swiglu_linear_backward_op(grad: Tensor, x: Tensor, gate_weight: Tensor, up_weight: Tensor,
+                              gate_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_x, grad_gate_weight, grad_up_weight) of swiglu_linear, from the saved gate_up product."""
+    impl = gpu_impl("swiglu_linear_backward", x)
+    if impl is not None:
+        return impl(grad, x, gate_weight, up_weight, gate_up)
+    inter = gate_weight.shape[0]
+    gu, g, x2 = rows(gate_up), rows(grad), rows(x)
+    gate, up = gu[:, :inter], gu[:, inter:]
+    d = torch.empty_like(gu)                           # [d gate | d up], so the GEMMs below are one each
+    d_gate, d_up = d[:, :inter], d[:, inter:]
+    torch.mul(g, up, out=d_gate)
+    aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
+    torch.mul(F.silu(gate), g, out=d_up)
+    grad_x = torch.mm(d, torch.cat([gate_weight, up_weight])).reshape(x.shape)
+    grad_gw = torch.mm(d_gate.t(), x2)
+    grad_uw = torch.mm(d_up.t(), x2)
+    return grad_x, grad_gw, grad_uw
+
+
+@swiglu_linear_backward_op.register_fake
+def _(grad, x, gate_weight, up_weight, gate_up):
+    return x.new_empty(x.shape), gate_weight.new_empty(gate_weight.shape), up_weight.new_empty(up_weight.shape)
+
+
+def _swiglu_linear_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(*inputs, output[1])
+
+
+def _swiglu_linear_backward(ctx, grad, _grad_gate_up):
+    return torch.ops.kiln.swiglu_linear_backward(grad, *ctx.saved_tensors)
+
+
+swiglu_linear_op.register_autograd(_swiglu_linear_backward, setup_context=_swiglu_linear_setup)
+
+
+# ---- Linear + GELU ----------------------------------------------------------------------------
+def _check_approximate(approximate: str) -> None:
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+def _pre_activation(x2: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
+
+
+@torch.library.custom_op("kiln::linear_gelu", mutates_args=())
+def linear_gelu_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor:
+    """gelu(x @ weight.T + bias): the activation runs in place on the matmul's output buffer."""
+    impl = gpu_impl("linear_gelu", x)
+    if impl is not None:
+        return impl(x, weight, bias, approximate)
+    _check_approximate(approximate)
+    z = _pre_activation(rows(x), weight, bias)
+    aten.gelu_(z, approximate=approximate)
+    return z.reshape(tuple(x.shape[:-1]) + (weight.shape[0],))
+
+
+@linear_gelu_op.register_fake
+def _(x, weight, bias, approximate):
+    _check_approximate(approximate)
+    return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@torch.library.custom_op("kiln::linear_gelu_backward", mutates_args=())
+def linear_gelu_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                            approximate: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_x, grad_weight, grad_bias) of linear_gelu; the pre-activation is recomputed (one matmul)
+    so the forward stores nothing but its input. grad_bias is empty when bias is None."""
+    impl = gpu_impl("linear_gelu_backward", x)
+    if impl is not None:
+        return impl(grad, x, weight, bias, approximate)
+    x2 = rows(x)
+    z = _pre_activation(x2, weight, bias)
+    gz = aten.gelu_backward.grad_input(rows(grad), z, approximate=approximate, grad_input=z)  # in place over z
+    grad_x = torch.mm(gz, weight).reshape(x.shape)
+    grad_w = torch.mm(gz.t(), x2)
+    grad_b = gz.sum(0) if bias is not None else x.new_empty((0,))
+    return grad_x, grad_w, grad_b
+
+
+@linear_gelu_backward_op.register_fake
+def _(grad, x, weight, bias, approximate):
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
+            bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,)))
+
+
+def _linear_gelu_setup(ctx, inputs, output):
+    x, weight, bias, approximate = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.approximate = approximate
+
+
+def _linear_gelu_backward(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    gx, gw, gb = torch.ops.kiln.linear_gelu_backward(grad, x, weight, bias, ctx.approximate)
+    return gx, gw, gb if bias is not None else None, None
+
+
+linear_gelu_op.register_autograd(_linear_gelu_backward, setup_context=_linear_gelu_setup)

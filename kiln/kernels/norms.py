@@ -1,0 +1,225 @@
+"""Normalization kernels: RMSNorm (optionally with the residual add fused in) and
+dropout + residual add + LayerNorm.
+
+What the backward keeps: RMSNorm saves its normalized input and one fp32 `rstd` per row, never the
+normalized activations (eager autograd of the usual `x * rsqrt(mean(x^2) + eps) * w` keeps the
+squared input and `x * rstd`). The dropout kernel keeps a bool mask, the residual sum (which is an
+output the caller keeps anyway) and LayerNorm's per-row mean/rstd.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kiln.kernels._common import acc_dtype, empty_like_absent, gpu_impl
+
+aten = torch.ops.aten
+
+
+# ---- RMSNorm ----------------------------------------------------------------------------------
+def _stat_shape(x: Tensor) -> tuple:
+    return tuple(x.shape[:-1]) + (1,)
+
+
+def _rms_forward(s: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """out = s * rstd * weight with rstd = 1/sqrt(mean(s^2) + eps), statistics in fp32."""
+    sf = s.to(acc_dtype(s.dtype))
+    # ||s||_2 reduces in one pass without materializing s*s (pow(2).mean() allocates a full copy)
+    rstd = torch.linalg.vector_norm(sf, dim=-1, keepdim=True)
+    rstd = rstd.square_().div_(s.shape[-1]).add_(eps).rsqrt_()
+    out = torch.mul(sf, rstd)
+    out = out.mul_(weight) if out.dtype == torch.promote_types(out.dtype, weight.dtype) else out * weight
+    return out.to(torch.promote_types(s.dtype, weight.dtype)).contiguous(), rstd
+
+
+@torch.library.custom_op("kiln::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(out, rstd): RMSNorm of x over the last dimension; rstd is fp32 (fp64 for fp64 x), shape (..., 1)."""
+    impl = gpu_impl("rms_norm", x)
+    if impl is not None:
+        return impl(x, weight, eps)
+    return _rms_forward(x, weight, eps)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    out = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return out, x.new_empty(_stat_shape(x), dtype=acc_dtype(x.dtype))
+
+
+@torch.library.custom_op("kiln::add_rms_norm", mutates_args=())
+def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, sum, rstd) with sum = x + residual and out = RMSNorm(sum)."""
+    impl = gpu_impl("add_rms_norm", x)
+    if impl is not None:
+        return impl(x, residual, weight, eps)
+    _same_shape(x, residual)
+    s = torch.add(x, residual).contiguous()
+    out, rstd = _rms_forward(s, weight, eps)
+    return out, s, rstd
+
+
+@add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    _same_shape(x, residual)
+    s = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    out = s.new_empty(s.shape, dtype=torch.promote_types(s.dtype, weight.dtype))
+    return out, s, s.new_empty(_stat_shape(s), dtype=acc_dtype(s.dtype))
+
+
+@torch.library.custom_op("kiln::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(grad_out: Optional[Tensor], grad_sum: Optional[Tensor], input: Tensor, weight: Tensor,
+                         rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """(grad_input, grad_weight) of out = RMSNorm(input). `grad_sum` (the gradient reaching the
+    residual sum of add_rms_norm through its other uses) is added to grad_input in place."""
+    impl = gpu_impl("rms_norm_backward", input)
+    if impl is not None:
+        return impl(grad_out, grad_sum, input, weight, rstd)
+    if grad_out is None:
+        gi = grad_sum.to(input.dtype, copy=True) if grad_sum is not None else torch.zeros_like(input)
+        return gi.contiguous(), torch.zeros_like(weight)
+    acc = torch.promote_types(acc_dtype(input.dtype), weight.dtype)
+    d = input.shape[-1]
+    sf, gf = input.to(acc), grad_out.to(acc)
+    # grad_weight = sum over rows of g * s * rstd: one N-sized product, then a matrix-vector product
+    prod = gf * sf
+    grad_weight = prod.reshape(-1, d).t().mv(rstd.reshape(-1)).to(weight.dtype)
+    gw = torch.mul(gf, weight, out=prod)             # reuse the buffer: g * weight = dL/d(normalized)
+    # dot_i = sum_j gw_ij s_ij as a batched (1 x d) @ (d x 1) product: no N-sized temporary
+    dot = torch.bmm(gw.reshape(-1, 1, d), sf.reshape(-1, d, 1)).reshape(_stat_shape(input))
+    # grad_s = rstd * (gw - s * rstd^2 * dot / d)
+    coef = dot.mul_(rstd.square()).div_(d)
+    grad = gw.addcmul_(sf, coef, value=-1).mul_(rstd)
+    if grad_sum is not None:
+        grad = grad.add_(grad_sum)
+    return grad.to(input.dtype).contiguous(), grad_weight.reshape(weight.shape)
+
+
+@rms_norm_backward_op.register_fake
+def _(grad_out, grad_sum, input, weight, rstd):
+    return input.new_empty(input.shape), torch.empty_like(weight)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight = inputs[0], inputs[1]
+    out, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(x, weight, rstd)
+
+
+def _rms_backward(ctx, grad_out, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    gx, gw = torch.ops.kiln.rms_norm_backward(grad_out, None, x, weight, rstd)
+    return gx, gw, None
+
+
+def _add_rms_setup(ctx, inputs, output):
+    out, s, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    # the backward needs the sum, which is an output the caller keeps as its residual stream anyway
+    ctx.save_for_backward(s, inputs[2], rstd)
+
+
+def _add_rms_backward(ctx, grad_out, grad_sum, _grad_rstd):
+    s, weight, rstd = ctx.saved_tensors
+    gs, gw = torch.ops.kiln.rms_norm_backward(grad_out, grad_sum, s, weight, rstd)
+    return gs, gs, gw, None        # d(x + residual)/dx = d(x + residual)/d residual = 1
+
+
+def _same_shape(x: Tensor, residual: Tensor) -> None:
+    # no broadcasting: the residual stream and the branch output always have one shape, and a
+    # broadcast would need a reduction in the backward that these kernels exist to avoid
+    if x.shape != residual.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
+
+
+rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
+add_rms_norm_op.register_autograd(_add_rms_backward, setup_context=_add_rms_setup)
+
+
+# ---- dropout + residual add + LayerNorm -------------------------------------------------------
+@torch.library.custom_op("kiln::dropout_add_layer_norm", mutates_args=())
+def dropout_add_layer_norm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                              p: float, eps: float, training: bool
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, sum, mean, rstd, mask): sum = dropout(x) + residual, out = LayerNorm(sum) over the last
+    dimension. mask is the bool keep-mask drawn here (empty when no dropout ran)."""
+    impl = gpu_impl("dropout_add_layer_norm", x)
+    if impl is not None:
+        return impl(x, residual, weight, bias, p, eps, training)
+    _same_shape(x, residual)
+    if training and p > 0:
+        # native_dropout draws exactly what F.dropout draws: same seed, same mask as eager
+        y, mask = aten.native_dropout(x.contiguous(), p, True)
+        s = y.add_(residual) if y.dtype == torch.promote_types(y.dtype, residual.dtype) else y + residual
+    else:
+        mask = empty_like_absent(x).bool()
+        s = torch.add(x, residual)
+    s = s.contiguous()
+    out, mean, rstd = aten.native_layer_norm(s, [s.shape[-1]], weight, bias, eps)
+    return out, s, mean, rstd, mask
+
+
+@dropout_add_layer_norm_op.register_fake
+def _(x, residual, weight, bias, p, eps, training):
+    _same_shape(x, residual)
+    s = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    out, mean, rstd = aten.native_layer_norm(s, [s.shape[-1]], weight, bias, eps)
+    mask = x.new_empty(x.shape if training and p > 0 else (0,), dtype=torch.bool)
+    return out, s, mean, rstd, mask
+
+
+@torch.library.custom_op("kiln::dropout_add_layer_norm_backward", mutates_args=())
+def dropout_add_layer_norm_backward_op(grad_out: Optional[Tensor], grad_sum: Optional[Tensor], sum: Tensor,
+                                       weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
+                                       rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_sum_total, grad_weight, grad_bias): LayerNorm's backward plus, in place, the gradient that
+    reached the residual sum directly. grad_weight/grad_bias are empty when weight/bias is None.
+    grad_sum_total is the residual's gradient; x's is `native_dropout_backward(grad_sum_total, mask, scale)`."""
+    impl = gpu_impl("dropout_add_layer_norm_backward", sum)
+    if impl is not None:
+        return impl(grad_out, grad_sum, sum, weight, bias, mean, rstd)
+    if grad_out is None:
+        gs = grad_sum.to(sum.dtype, copy=True) if grad_sum is not None else torch.zeros_like(sum)
+        gw = torch.zeros_like(weight) if weight is not None else empty_like_absent(sum)
+        gb = torch.zeros_like(bias) if bias is not None else empty_like_absent(sum)
+        return gs, gw, gb
+    gs, gw, gb = aten.native_layer_norm_backward(grad_out, sum, [sum.shape[-1]], mean, rstd, weight, bias,
+                                                 [True, weight is not None, bias is not None])
+    if grad_sum is not None:
+        gs = gs.add_(grad_sum)       # accumulate in place instead of autograd's out-of-place add
+    return (gs.contiguous(), gw if gw is not None else empty_like_absent(sum),
+            gb if gb is not None else empty_like_absent(sum))
+
+
+@dropout_add_layer_norm_backward_op.register_fake
+def _(grad_out, grad_sum, sum, weight, bias, mean, rstd):
+    return (sum.new_empty(sum.shape), torch.empty_like(weight) if weight is not None else sum.new_empty((0,)),
+            torch.empty_like(bias) if bias is not None else sum.new_empty((0,)))
+
+
+def dropout_scale(p: float) -> float:
+    """The factor kept elements are multiplied by (0 when everything is dropped, as ATen)."""
+    return 1.0 / (1.0 - p) if p < 1 else 0.0
+
+
+def _dal_setup(ctx, inputs, output):
+    x, residual, weight, bias, p, eps, training = inputs
+    out, s, mean, rstd, mask = output
+    ctx.mark_non_differentiable(mean, rstd, mask)
+    ctx.save_for_backward(s, weight, bias, mean, rstd, mask)
+    ctx.p = p
+
+
+def _dal_backward(ctx, grad_out, grad_sum, *_stats):
+    s, weight, bias, mean, rstd, mask = ctx.saved_tensors
+    gs, gw, gb = torch.ops.kiln.dropout_add_layer_norm_backward(grad_out, grad_sum, s, weight, bias, mean, rstd)
+    # the mask drawn by the forward, never a new draw
+    gx = aten.native_dropout_backward(gs, mask, dropout_scale(ctx.p)) if mask.numel() else gs
+    return (gx, gs, gw if weight is not None else None,
+            gb if bias is not None else None, None, None, None)
+
+
+dropout_add_layer_norm_op.register_autograd(_dal_backward, setup_context=_dal_setup)

@@ -1,0 +1,105 @@
+"""Rotary position embedding (Llama's rotate_half convention) for q and k in one kernel.
+
+    out = t * cos + rotate_half(t) * sin,   rotate_half([t1, t2]) = [-t2, t1]   (halves of the last dim)
+
+Eager code builds rotate_half with a `cat` of two slices (a full copy of q and of k) and then three
+more full-size temporaries per tensor. Here each half is written by one in-place addcmul into the
+output buffer, so the only allocation is the output. The map is linear in q and k, so the backward
+needs only cos and sin: nothing of q or k is saved (unless cos/sin themselves require gradients).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kiln.kernels._common import gpu_impl
+
+
+def _check(t: Tensor, cos: Tensor, sin: Tensor, name: str) -> None:
+    if t.shape[-1] % 2:
+        raise ValueError(f"rope: the last dimension of {name} must be even, got {tuple(t.shape)}")
+    for table in (cos, sin):
+        if torch.broadcast_shapes(t.shape, table.shape) != t.shape:
+            raise ValueError(f"rope: cos/sin {tuple(table.shape)} must broadcast to {name} {tuple(t.shape)} "
+                             "(for (batch, seq, dim) tables and (batch, heads, seq, dim) q, pass unsqueeze_dim=1)")
+
+
+def _out_dtype(t: Tensor, cos: Tensor, sin: Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(t.dtype, cos.dtype), sin.dtype)
+
+
+def _rotate(t: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
+    """t * cos + sign * rotate_half(t) * sin with rotate_half's halves written in place;
+    sign=-1 applies the transpose (the backward)."""
+    h = t.shape[-1] // 2
+    out = torch.empty_like(t, dtype=_out_dtype(t, cos, sin))
+    torch.mul(t, cos, out=out)
+    # forward: out1 -= t2 * sin1, out2 += t1 * sin2; backward (transpose): g1 += g2 * sin2, g2 -= g1 * sin1
+    if sign > 0:
+        out[..., :h].addcmul_(t[..., h:], sin[..., :h], value=-1)
+        out[..., h:].addcmul_(t[..., :h], sin[..., h:])
+    else:
+        out[..., :h].addcmul_(t[..., h:], sin[..., h:])
+        out[..., h:].addcmul_(t[..., :h], sin[..., :h], value=-1)
+    return out
+
+
+@torch.library.custom_op("kiln::rope", mutates_args=())
+def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(q_rotated, k_rotated); cos and sin broadcast to q and to k."""
+    impl = gpu_impl("rope", q)
+    if impl is not None:
+        return impl(q, k, cos, sin)
+    _check(q, cos, sin, "q")
+    _check(k, cos, sin, "k")
+    return _rotate(q, cos, sin, 1.0), _rotate(k, cos, sin, 1.0)
+
+
+@rope_op.register_fake
+def _(q, k, cos, sin):
+    _check(q, cos, sin, "q")
+    _check(k, cos, sin, "k")
+    return torch.empty_like(q, dtype=_out_dtype(q, cos, sin)), torch.empty_like(k, dtype=_out_dtype(k, cos, sin))
+
+
+@torch.library.custom_op("kiln::rope_backward", mutates_args=())
+def rope_backward_op(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(grad_q, grad_k): the transpose of the rotation applied to the output gradients."""
+    impl = gpu_impl("rope_backward", grad_q)
+    if impl is not None:
+        return impl(grad_q, grad_k, cos, sin)
+    return _rotate(grad_q, cos, sin, -1.0), _rotate(grad_k, cos, sin, -1.0)
+
+
+@rope_backward_op.register_fake
+def _(grad_q, grad_k, cos, sin):
+    return (torch.empty_like(grad_q, dtype=_out_dtype(grad_q, cos, sin)),
+            torch.empty_like(grad_k, dtype=_out_dtype(grad_k, cos, sin)))
+
+
+def rotate_half(t: Tensor) -> Tensor:
+    """[-t2, t1]: only used for the (rare) gradient of cos/sin, never on the q/k path."""
+    h = t.shape[-1] // 2
+    return torch.cat([-t[..., h:], t[..., :h]], dim=-1)
+
+
+def _setup(ctx, inputs, output):
+    q, k, cos, sin = inputs
+    table_grads = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+    # q and k are kept only when cos/sin need a gradient (a learned rotation table)
+    ctx.save_for_backward(cos, sin, *((q, k) if table_grads else ()))
+    ctx.table_grads = table_grads
+
+
+def _backward(ctx, grad_q, grad_k):
+    cos, sin, *qk = ctx.saved_tensors
+    gq, gk = torch.ops.kiln.rope_backward(grad_q, grad_k, cos, sin)
+    gcos = gsin = None
+    if ctx.table_grads:
+        q, k = qk
+        gcos = (grad_q * q).sum_to_size(cos.shape) + (grad_k * k).sum_to_size(cos.shape)
+        gsin = (grad_q * rotate_half(q)).sum_to_size(sin.shape) + (grad_k * rotate_half(k)).sum_to_size(sin.shape)
+    return gq, gk, gcos, gsin
+
+
+rope_op.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,165 @@
+"""Kiln's fused kernels (`kiln.kernels`, custom ops `torch.ops.kiln.*`) as compiler ops.
+
+One block per kernel. Each VJP rule emits the kernel's own fused backward op, so a model that calls
+a kernel keeps it fused in the compiled step; the values the backward needs (rstd, the dropout
+mask, the gate/up product, the log-sum-exp) are extra outputs of the forward op, which is how a
+graph node "saves" them. Backward ops are registered with differentiable=False: Kiln never
+differentiates a backward.
+"""
+from __future__ import annotations
+
+import torch
+
+import kiln.kernels as K
+from kiln.kernels.norms import dropout_scale
+from kiln.ops.common import arg, shape, sum_to
+from kiln.ops.registry import Cast, Kind, defop
+
+aten = torch.ops.aten
+kiln_ops = torch.ops.kiln
+LOW, F32, FOLLOW = Cast.LOWER, Cast.FP32, Cast.FOLLOW
+
+
+def _numel(v) -> float:
+    return float(v.meta.numel)
+
+
+def _backward_op(target, kind: Kind, cast: Cast, **facts) -> None:
+    defop(target, None, kind, cast, differentiable=False, **facts)
+
+
+# ---- RMSNorm ----------------------------------------------------------------------------------
+def vjp_rms_norm(b, n, g, _g_rstd=None):
+    x, w = n.args[0], n.args[1]
+    gx, gw = b(kiln_ops.rms_norm_backward.default, g, None, x, w, n.outputs[1])
+    return gx, gw, None
+
+
+def vjp_add_rms_norm(b, n, g_out, g_sum, _g_rstd=None):
+    w = n.args[2]
+    _, s, rstd = n.outputs
+    gs, gw = b(kiln_ops.rms_norm_backward.default, g_out, g_sum, s, w, rstd)
+    return gs, gs, gw, None       # x and residual both get d(out)/d(sum) + the sum's own gradient
+
+
+defop(kiln_ops.rms_norm.default, vjp_rms_norm, Kind.NORM, F32)
+defop(kiln_ops.add_rms_norm.default, vjp_add_rms_norm, Kind.NORM, F32)
+_backward_op(kiln_ops.rms_norm_backward.default, Kind.NORM, F32)
+
+
+# ---- dropout + residual + LayerNorm -----------------------------------------------------------
+def vjp_dropout_add_layer_norm(b, n, g_out, g_sum, *_stats):
+    w, bias = arg(n, 2, "weight"), arg(n, 3, "bias")
+    p, training = arg(n, 4, "p"), arg(n, 6, "training")
+    _, s, mean, rstd, mask = n.outputs
+    gs, gw, gb = b(kiln_ops.dropout_add_layer_norm_backward.default, g_out, g_sum, s, w, bias, mean, rstd)
+    # x's gradient goes through the mask the forward drew (an output of the node), never a new draw
+    gx = b(aten.native_dropout_backward.default, gs, mask, dropout_scale(p)) if training and p > 0 else gs
+    return gx, gs, gw if w is not None else None, gb if bias is not None else None, None, None, None
+
+
+# RANDOM, not NORM: with p > 0 it draws from the RNG, so CSE must never merge two calls
+defop(kiln_ops.dropout_add_layer_norm.default, vjp_dropout_add_layer_norm, Kind.RANDOM, F32)
+_backward_op(kiln_ops.dropout_add_layer_norm_backward.default, Kind.NORM, F32)
+
+
+# ---- SwiGLU -----------------------------------------------------------------------------------
+def vjp_swiglu(b, n, g):
+    gate, up = n.args[0], n.args[1]
+    return b(kiln_ops.swiglu_backward.default, g, gate, up)
+
+
+def vjp_swiglu_linear(b, n, g, _g_gate_up=None):
+    x, wg, wu = n.args[:3]
+    return b(kiln_ops.swiglu_linear_backward.default, g, x, wg, wu, n.outputs[1])
+
+
+def _swiglu_linear_flops(n) -> float:
+    return 2.0 * _numel(n.outputs[1]) * shape(n.args[0])[-1]
+
+
+def _swiglu_linear_bwd_flops(n) -> float:
+    return 2.0 * _swiglu_linear_flops_of(n.args[4], n.args[1])
+
+
+def _swiglu_linear_flops_of(gate_up, x) -> float:
+    return 2.0 * _numel(gate_up) * shape(x)[-1]
+
+
+defop(kiln_ops.swiglu.default, vjp_swiglu, Kind.POINTWISE, FOLLOW)
+_backward_op(kiln_ops.swiglu_backward.default, Kind.POINTWISE, FOLLOW)
+defop(kiln_ops.swiglu_linear.default, vjp_swiglu_linear, Kind.MATMUL, LOW, cost=_swiglu_linear_flops)
+_backward_op(kiln_ops.swiglu_linear_backward.default, Kind.MATMUL, LOW, cost=_swiglu_linear_bwd_flops)
+
+
+# ---- Linear + GELU ----------------------------------------------------------------------------
+def vjp_linear_gelu(b, n, g):
+    x, w, bias, approximate = n.args[0], n.args[1], arg(n, 2, "bias"), arg(n, 3, "approximate", "none")
+    gx, gw, gb = b(kiln_ops.linear_gelu_backward.default, g, x, w, bias, approximate)
+    return gx, gw, gb if bias is not None else None, None
+
+
+def _linear_gelu_flops(n) -> float:
+    return 2.0 * _numel(n.out) * shape(n.args[0])[-1]
+
+
+def _linear_gelu_bwd_flops(n) -> float:
+    # recompute + grad_x + grad_weight: three matmuls of the forward's size
+    x, w = n.args[1], n.args[2]
+    return 6.0 * _numel(x) * shape(w)[0]
+
+
+defop(kiln_ops.linear_gelu.default, vjp_linear_gelu, Kind.MATMUL, LOW, cost=_linear_gelu_flops)
+_backward_op(kiln_ops.linear_gelu_backward.default, Kind.MATMUL, LOW, cost=_linear_gelu_bwd_flops)
+
+
+# ---- RoPE -------------------------------------------------------------------------------------
+def _rotate_half(b, t):
+    h = shape(t)[-1] // 2
+    t1, t2 = b(aten.slice.Tensor, t, -1, 0, h), b(aten.slice.Tensor, t, -1, h, 2 * h)
+    return b(aten.cat.default, [b(aten.neg.default, t2), t1], -1)
+
+
+def _zeros_like(b, v):
+    return b(aten.zeros.default, shape(v), dtype=v.meta.dtype, device=v.meta.device)
+
+
+def vjp_rope(b, n, g_q, g_k):
+    q, k, cos, sin = n.args[:4]
+    g_q = g_q if g_q is not None else _zeros_like(b, n.outputs[0])
+    g_k = g_k if g_k is not None else _zeros_like(b, n.outputs[1])
+    gq, gk = b(kiln_ops.rope_backward.default, g_q, g_k, cos, sin)
+
+    # gradients of the cos/sin tables, for the rare learned table; dead code (removed by dce) otherwise
+    def table(tab, rotate):
+        parts = [sum_to(b, b(aten.mul.Tensor, g, _rotate_half(b, t) if rotate else t), shape(tab))
+                 for g, t in ((g_q, q), (g_k, k))]
+        return b(aten.add.Tensor, parts[0], parts[1])
+    return gq, gk, table(cos, False), table(sin, True)
+
+
+defop(kiln_ops.rope.default, vjp_rope, Kind.POINTWISE, FOLLOW)
+_backward_op(kiln_ops.rope_backward.default, Kind.POINTWISE, FOLLOW)
+
+
+# ---- Linear + cross-entropy -------------------------------------------------------------------
+def vjp_linear_cross_entropy(b, n, g, _g_lse=None):
+    hidden, weight, labels, ignore_index, reduction, chunk = n.args[:6]
+    gh, gw = b(kiln_ops.linear_cross_entropy_backward.default, g, hidden, weight, labels, n.outputs[1],
+               ignore_index, reduction, chunk)
+    return gh, gw, None, None, None, None
+
+
+def _lce_flops(n, factor: float = 2.0) -> float:
+    hidden, weight = (n.args[0], n.args[1]) if n.op.differentiable else (n.args[1], n.args[2])
+    return factor * _numel(hidden) * shape(weight)[0]
+
+
+# Cast LOWER although it is a loss: it is the vocabulary projection (the model's biggest matmul), which
+# amp must run in low precision as it would the unfused lm_head; the kernel keeps the softmax
+# statistics and the loss in fp32 itself. amp_overrides={"kiln.linear_cross_entropy": "fp32"} opts out.
+defop(kiln_ops.linear_cross_entropy.default, vjp_linear_cross_entropy, Kind.LOSS, LOW, cost=_lce_flops)
+_backward_op(kiln_ops.linear_cross_entropy_backward.default, Kind.LOSS, LOW,
+             cost=lambda n: _lce_flops(n, 6.0))   # recompute + grad_hidden + grad_weight
+
+assert set(K.OPS.values()) <= {t for t in K.OPS.values()}   # every op of the library is registered above
