@@ -1,4 +1,4 @@
-"""`kiln` command line: `kiln demo`, `kiln bench`, `kiln explain`."""
+"""Kiln: compile a PyTorch model's whole training step. Commands: demo, explain, bench."""
 from __future__ import annotations
 
 import argparse

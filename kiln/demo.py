@@ -10,10 +10,7 @@ import time
 import warnings
 
 
-def register(sub) -> None:
-    p = sub.add_parser("demo", help="train a tiny Llama-style model with Kiln next to eager PyTorch",
-                       description=__doc__)
-    p.add_argument("--steps", type=int, default=8, help="training steps per mode (default 8)")
+def _model_args(p) -> None:
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
     p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
@@ -21,7 +18,22 @@ def register(sub) -> None:
     p.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="train a tiny Llama-style model with Kiln next to eager PyTorch",
+                       description=__doc__)
+    p.add_argument("--steps", type=int, default=8, help="training steps per mode (default 8)")
+    _model_args(p)
     p.set_defaults(func=run)
+    e = sub.add_parser("explain", help="compile the demo model and print Kiln's op table (or the generated step)",
+                       description="Compile the demo's Llama-style model for one step and print kiln.explain's "
+                                   "table: every op, its phase, dialect, compute dtype and output.")
+    _model_args(e)
+    e.add_argument("--amp", choices=["bf16", "fp16"], help="mixed precision (default fp32)")
+    e.add_argument("--dialects", help="comma list of dialects in preference order (default: all)")
+    e.add_argument("--source", action="store_true", help="print the generated Python step instead")
+    e.set_defaults(func=run_explain)
 
 
 def _positive(args, *names) -> None:
@@ -30,16 +42,14 @@ def _positive(args, *names) -> None:
             raise SystemExit(f"kiln demo: --{n} must be positive, got {getattr(args, n)}")
 
 
-def run(args) -> int:
-    _positive(args, "steps", "layers", "hidden", "heads", "vocab", "batch", "seq")
+def _build(args, command: str):
+    _positive(args, *(["steps"] if command == "demo" else []), "layers", "hidden", "heads", "vocab", "batch", "seq")
     if args.hidden % args.heads:
-        raise SystemExit(f"kiln demo: --hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
+        raise SystemExit(f"kiln {command}: --hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore", category=FutureWarning)
     import torch
     import transformers
-
-    import kiln
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -47,7 +57,33 @@ def run(args) -> int:
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
         max_position_embeddings=args.seq, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     config._attn_implementation = "sdpa"
-    eager_model = transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config)
+
+
+def run_explain(args) -> int:
+    import torch
+
+    import kiln
+    model = _build(args, "explain")
+    dialects = [d.strip() for d in args.dialects.split(",")] if args.dialects else None
+    try:
+        step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=args.lr), amp=args.amp, dialects=dialects)
+    except kiln.KilnError as e:
+        raise SystemExit(f"kiln explain: {e}")
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+    step(input_ids=ids, labels=ids)
+    if args.source:
+        print(step.source())
+    else:
+        kiln.explain(step)
+    return 0
+
+
+def run(args) -> int:
+    import torch
+
+    import kiln
+    eager_model = _build(args, "demo")
     kiln_model = copy.deepcopy(eager_model)
     n_params = sum(p.numel() for p in eager_model.parameters())
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq)) for _ in range(4)]

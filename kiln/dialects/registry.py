@@ -134,3 +134,4 @@ def _ensure_loaded() -> None:
     if not _loaded:
         _loaded = True
         from kiln.dialects import aten, sdpa  # noqa: F401  (register)
+        from kiln.dialects import kiln_kernels  # noqa: F401  (kiln.kernels custom ops)

@@ -145,6 +145,7 @@ def _ensure_loaded() -> None:
     if not _loaded:
         _loaded = True
         from kiln.ops import pointwise, views, reductions, nn, indexing  # noqa: F401  (register)
+        from kiln.ops import kernels  # noqa: F401  (kiln.kernels custom ops)
         from kiln import optim  # noqa: F401  (optimizer update ops)
         from kiln.autodiff import fallback  # noqa: F401
 
