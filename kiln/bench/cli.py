@@ -39,6 +39,8 @@ examples:
 models: {models}
 modes:  {modes}
 For vit and resnet, --seq is the image side in pixels and --vocab the number of classes.
+On CPUs without bf16 matmul instructions (AVX512-BF16, AMX) the bf16 modes run
+many times slower than fp32; --budget keeps such a mode to a step or two.
 """
 
 

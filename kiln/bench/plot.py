@@ -39,7 +39,7 @@ def save(report: dict, path: str | Path) -> Path:
         ax.invert_yaxis()  # first mode on top, as in the table
         top = max(ends, default=0) or 1.0
         for i, (value, end, r) in enumerate(zip(values, ends, results)):
-            text = (f"{value:.3g}" if r["status"] == "ok"
+            text = ((f"{value:,.0f}" if value >= 100 else f"{value:.3g}") if r["status"] == "ok"
                     else "not available" if r["status"] == "unavailable" else "failed")
             # Right of the whisker, so the number never sits on top of it.
             ax.text(end + top * 0.02, i, text, va="center", fontsize=8)

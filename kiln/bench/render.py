@@ -11,7 +11,7 @@ from typing import Any
 COLUMNS = [
     ("mode", "Mode"), ("status", "Status"), ("ttfs", "1st step"), ("step", "Step median (min-max)"),
     ("speedup", "Speed"), ("rate", "{unit}/s"), ("flops", "GFLOP/s (% peak)"),
-    ("memory", "Peak RSS MiB"), ("loss", "Loss 1st -> last"), ("steps", "n"),
+    ("memory", "Peak RSS MiB"), ("loss", "Loss step 1 -> {loss_step}"), ("steps", "n"),
 ]
 
 
@@ -49,8 +49,10 @@ def ratio(x: float | None) -> str:
 
 
 def headers(report: dict) -> list[str]:
-    unit = report.get("config", {}).get("unit", "items")
-    return [title.format(unit=unit) for _, title in COLUMNS]
+    cfg = report.get("config", {})
+    # Older reports have no common loss step: they compare against each mode's last loss.
+    step = cfg.get("loss_step", "last")
+    return [title.format(unit=cfg.get("unit", "items"), loss_step=step) for _, title in COLUMNS]
 
 
 def status_text(r: dict) -> str:
@@ -76,7 +78,7 @@ def rows(report: dict) -> list[list[str]]:
                       + ("" if frac is None else f" ({percent(frac)} {r['dtype']})"),
                 memory="-" if r.get("peak_rss_bytes") is None else f"{r['peak_rss_bytes'] / 2 ** 20:,.0f}"
                        + ("" if mem_ratio is None else f" ({mem_ratio:.2f}x)"),
-                loss=f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}",
+                loss=f"{r['loss_first']:.4f} -> {r.get('loss_at_loss_step', r['loss_last']):.4f}",
                 steps=f"{r['measured_steps']}" + ("*" if r.get("budget_truncated") else ""))
         out.append([str(cells[key]) for key, _ in COLUMNS])
     return out
@@ -105,6 +107,10 @@ def notes(report: dict) -> list[str]:
     if cpus and ((before or 0) > 0.5 * cpus or max(during, default=0) > cpus + 0.5):
         lines.append(f"the machine was busy (1-minute load average {before or 0:.1f} at the start, up to "
                      f"{max(during, default=0):.1f} during the modes, on {cpus} CPUs): timings are noisy")
+    over = [r["mode"] for r in report.get("results", []) if (r.get("peak_fraction") or 0) > 1]
+    if over:
+        lines.append(f"{', '.join(over)}: above 100% of the measured peak, so that peak is an underestimate "
+                     "(a busy machine while it was measured, or kernels faster than torch.mm's)")
     if "error" in report.get("peak_matmul", {}):
         lines.append(f"peak matmul rate not measured: {report['peak_matmul']['error']}")
     return lines

@@ -3,9 +3,9 @@
     kiln bench report bench.json --out docs/benchmarks.md
     python -m kiln.bench.report bench.json --out docs/benchmarks.md   # same thing
 
-With ``--out`` the chart is written next to it (``docs/benchmarks.png``, or
-``--image FILE``) and linked from the Markdown; without ``--out`` the Markdown
-goes to stdout and a chart is only drawn if ``--image`` is given.
+With --out the chart is written next to it (docs/benchmarks.png, or --image
+FILE) and linked from the Markdown; without --out the Markdown goes to stdout
+and a chart is only drawn if --image is given.
 """
 from __future__ import annotations
 
@@ -87,8 +87,10 @@ def markdown(report: dict, json_name: str, out_name: str | None, image: str | No
               "- **Peak RSS MiB**: the process's resident-set high-water mark (VmHWM) over the measured steps, "
               "reset after warm-up through /proc/self/clear_refs, with its ratio to the baseline's. It "
               "includes weights, gradients, optimizer state and the Python/torch runtime.",
-              "- **Loss**: the loss of the first step and of the last measured step; the modes should agree "
-              "closely, and a mode whose loss drifts away computes something different.", ""]
+              "- **Loss step 1 -> k**: the training loss at the first step and at step k, the last step "
+              "every mode reached (warm-up steps count; a mode cut short by the budget runs fewer). Same "
+              "weights, same data: the modes should agree closely, bf16 ones within rounding; a mode whose "
+              "loss drifts away computes something different.", ""]
     return "\n".join(lines)
 
 

@@ -167,6 +167,13 @@ def run(config: dict, timeout_s: float, on_start: Callable[[str], None] | None =
         on_done and on_done(results[-1])
     _ratios(results, config["baseline"], peak)
     report["results"] = results
+    # Modes cut short by the budget ran fewer steps; compare losses at a step all reached.
+    reached = [len(r["losses"]) for r in results if r["status"] == "ok" and r.get("losses")]
+    if reached:
+        report["config"]["loss_step"] = min(reached)
+        for r in results:
+            if r["status"] == "ok" and r.get("losses"):
+                r["loss_at_loss_step"] = r["losses"][min(reached) - 1]
     ok = next((r for r in results if r["status"] in ("ok", "unavailable") and "params" in r), None)
     if ok:  # model facts are the same in every mode; lift them into the config
         report["config"].update({k: ok[k] for k in ("params", "unit", "items_per_batch", "flops_per_step")})

@@ -99,14 +99,14 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
     # growth; they are run but not measured.  The first step counts as one.
     # With a time budget, warm-up gets half of it; the first step of a compiling
     # mode is no estimate of a step, so such modes always warm up a second step.
-    done, warm_start = 1, time.perf_counter()
+    done, warm_start, losses = 1, time.perf_counter(), [loss_first]
     last = None if known.compiles else ttfs
     while done < warmup:
         if last is not None and _stop_early(time.perf_counter() - warm_start, last, budget / 2):
             break
         progress(f"warm-up {done + 1}/{warmup}")
         t = time.perf_counter()
-        float(step(**batches[done % len(batches)]))
+        losses.append(float(step(**batches[done % len(batches)])))
         last = time.perf_counter() - t
         done += 1
 
@@ -123,6 +123,7 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
         # float() forces the loss, so the step is really finished when the clock stops.
         loss = float(step(**batches[(done + i) % len(batches)]))
         times.append(time.perf_counter() - t)
+        losses.append(loss)
     mem = tracker.stop()
 
     ordered = sorted(times)
@@ -134,7 +135,7 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
             "step_q3_s": _quantile(ordered, 0.75),
             "items_per_s": entry.items_per_batch / median,
             "achieved_flops_per_s": entry.flops_per_step / median,
-            "loss_first": loss_first, "loss_last": loss}
+            "loss_first": loss_first, "loss_last": loss, "losses": losses}
 
 
 def run(spec: dict) -> dict:

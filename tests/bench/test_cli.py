@@ -59,6 +59,8 @@ def test_smoke_two_modes(smoke):
         assert r["peak_rss_bytes"] > 50 * 2 ** 20 and "VmHWM" in r["memory_method"]
         assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_last"])
     assert eager["dtype"] == "fp32" and bf16["dtype"] == "bf16"
+    assert cfg["loss_step"] == 2 and len(eager["losses"]) == 2  # 1 warm-up + 1 measured
+    assert eager["loss_at_loss_step"] == eager["losses"][1] == eager["loss_last"]
     assert eager["speedup_vs_baseline"] == 1.0 and eager["memory_vs_baseline"] == 1.0
     # Same seed, same data, same weights: the first losses differ only by bf16 rounding.
     assert bf16["loss_first"] == pytest.approx(eager["loss_first"], abs=0.05)

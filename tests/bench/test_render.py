@@ -18,9 +18,17 @@ def test_rows():
     assert cell["Mode"] == "eager (base)" and cell["1st step"] == "12.50 s"
     assert cell["Step median (min-max)"] == "57 (50-422) ms"
     assert cell["tokens/s"] == "1,130" and cell["GFLOP/s (% peak)"] == "2.5 (3.1% fp32)"
-    assert cell["Peak RSS MiB"] == "386 (1.00x)" and cell["Loss 1st -> last"] == "5.5496 -> 5.4804"
+    assert cell["Peak RSS MiB"] == "386 (1.00x)" and cell["Loss step 1 -> last"] == "5.5496 -> 5.4804"
     assert cell["n"] == "3*"
     assert kiln[:2] == ["kiln", "n/a"] and set(kiln[2:]) == {"-"}
+
+
+def test_loss_at_common_step():
+    report = _report()
+    report["config"]["loss_step"] = 2
+    report["results"][0]["loss_at_loss_step"] = 5.5
+    cell = dict(zip(render.headers(report), render.rows(report)[0]))
+    assert cell["Loss step 1 -> 2"] == "5.5496 -> 5.5000"
 
 
 def test_notes():
