@@ -56,8 +56,10 @@ def dropout_add_layer_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor]
     """`s = dropout(x, p, training) + residual; out = layer_norm(s, (x.shape[-1],), weight, bias, eps)`.
 
     Returns the tuple `(out, s)`: the normalized output and the new residual sum. The keep-mask is drawn
-    once in the forward from the global RNG (the same draws as `F.dropout`, so a fixed seed gives eager's
-    mask) and stored as bool; the backward uses that mask. `x` and `residual` must have the same shape.
+    once in the forward from the default generator (`torch.manual_seed` reproduces it; the draws differ
+    from `F.dropout`'s: 16 random bits per element, so p is rounded to a multiple of 1/65536 and the
+    scale is 1/(1 - rounded p)) and stored as bool; the backward uses that mask.
+    `x` and `residual` must have the same shape.
     """
     out, s, _mean, _rstd, _mask = _k.dropout_add_layer_norm(x, residual, weight, bias, float(p), float(eps),
                                                             bool(training))
@@ -105,8 +107,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
     """`F.cross_entropy(F.linear(hidden, weight).float().flatten(0, -2), labels.flatten(), ...)`, chunked.
 
     hidden is (..., H), weight (vocab, H), labels hidden's leading shape. The logits are computed
-    `chunk_size` tokens at a time (default: as many as fit 8M logits), forward and backward, so the
-    (tokens x vocab) logits tensor is never materialized. reduction: "mean" (over non-ignored tokens;
+    `chunk_size` tokens at a time (default: as many as fit 16M logits, at least 128), forward and
+    backward, so the (tokens x vocab) logits tensor is never materialized. reduction: "mean" (over non-ignored tokens;
     nan if all are ignored, as PyTorch), "sum" or "none" (labels' shape, 0 at ignored tokens).
     The loss is float32 for half-precision inputs (the softmax statistics always are).
     """

@@ -118,12 +118,13 @@ def swiglu_linear_backward_op(grad: Tensor, x: Tensor, gate_weight: Tensor, up_w
     inter = gate_weight.shape[0]
     gu, g, x2 = rows(gate_up), rows(grad), rows(x)
     gate, up = gu[:, :inter], gu[:, inter:]
-    d = torch.empty_like(gu)                           # [d gate | d up], so the GEMMs below are one each
+    d = torch.empty_like(gu)                           # [d gate | d up], written in place below
     d_gate, d_up = d[:, :inter], d[:, inter:]
     torch.mul(g, up, out=d_gate)
     aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
-    torch.mul(F.silu(gate), g, out=d_up)
-    grad_x = torch.mm(d, torch.cat([gate_weight, up_weight])).reshape(x.shape)
+    aten.silu.out(gate, out=d_up).mul_(g)
+    # two accumulating GEMMs instead of one over re-stacked weights: no (2I x H) copy
+    grad_x = torch.mm(d_gate, gate_weight).addmm_(d_up, up_weight).reshape(x.shape)
     grad_gw = torch.mm(d_gate.t(), x2)
     grad_uw = torch.mm(d_up.t(), x2)
     return grad_x, grad_gw, grad_uw
@@ -136,6 +137,7 @@ def _(grad, x, gate_weight, up_weight, gate_up):
 
 def _swiglu_linear_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)     # else autograd allocates zeros for gate_up's (absent) gradient
     ctx.save_for_backward(*inputs, output[1])
 
 

@@ -15,24 +15,28 @@ from torch import Tensor
 
 from kiln.kernels._common import acc_dtype, gpu_impl, rows
 
-# Elements of one chunk of logits: 8M (32 MiB in fp32). A chunk is at least one row; with vocab 128k
-# that is 65 rows, still enough for the matmul to run at full speed on a CPU.
-LOGIT_BUDGET = 1 << 23
+# Elements of one chunk of logits: 16M (64 MiB in fp32). Fewer rows than MIN_ROWS make the matmuls
+# slow on a CPU (measured: 65 rows x 128k vocab is 2.7x slower than 131 rows; every chunk streams the
+# whole weight), so a chunk never has fewer: then it holds 128 x vocab logits, which is no more than
+# the weight itself for hidden >= 128. Either way the chunk does not grow with the number of tokens.
+LOGIT_BUDGET = 1 << 24
+MIN_ROWS = 128
 REDUCTIONS = ("mean", "sum", "none")
 
 
 def chunk_rows(n_rows: int, vocab: int, chunk_size: int) -> int:
-    """Rows per chunk: `chunk_size` if given (> 0), else as many as fit LOGIT_BUDGET."""
+    """Rows per chunk: `chunk_size` if given (> 0), else as many as fit LOGIT_BUDGET (at least MIN_ROWS)."""
     if chunk_size > 0:
         return chunk_size
-    return max(1, min(n_rows, LOGIT_BUDGET // max(vocab, 1)))
+    return max(1, min(n_rows, max(MIN_ROWS, LOGIT_BUDGET // max(vocab, 1))))
 
 
 def _check(hidden: Tensor, weight: Tensor, labels: Tensor, reduction: str) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} must be (vocab, {hidden.shape[-1]}) for hidden {tuple(hidden.shape)}")
+        raise ValueError(f"weight {tuple(weight.shape)} must be (vocab, {hidden.shape[-1]}) "
+                         f"for hidden {tuple(hidden.shape)}")
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels {tuple(labels.shape)} must have hidden's leading shape {tuple(hidden.shape[:-1])}")
     if labels.dtype.is_floating_point:
@@ -109,8 +113,7 @@ def linear_cross_entropy_backward_op(grad: Tensor, hidden: Tensor, weight: Tenso
             g = g / valid.sum().clamp(min=1)            # all ignored: every row is 0 anyway, as PyTorch
         row_scale = valid.to(acc) * g
     grad_hidden = torch.empty_like(h2)
-    # grad_weight is accumulated in fp32 for half types: many chunks' products are summed
-    grad_weight = torch.zeros(weight.shape, dtype=acc_dtype(weight.dtype), device=weight.device)
+    grad_weight = None
     step = chunk_rows(n, weight.shape[0], chunk_size)
     for s in range(0, n, step):
         e = min(n, s + step)
@@ -120,11 +123,19 @@ def linear_cross_entropy_backward_op(grad: Tensor, hidden: Tensor, weight: Tenso
         p.mul_(row_scale[s:e].unsqueeze(1))
         pw = p if p.dtype == weight.dtype else p.to(weight.dtype)
         torch.mm(pw, weight, out=grad_hidden[s:e])
-        if grad_weight.dtype == pw.dtype:
+        if grad_weight is None:
+            grad_weight = torch.mm(pw.t(), h2[s:e])       # the first chunk initializes: no zero fill
+            if e < n:
+                # more chunks follow: half types accumulate in fp32 (one weight-sized buffer, which a
+                # single chunk, as for a short sequence, does not need)
+                grad_weight = grad_weight.to(acc_dtype(weight.dtype))
+        elif grad_weight.dtype == pw.dtype:
             grad_weight.addmm_(pw.t(), h2[s:e])
         else:
             grad_weight.add_(torch.mm(pw.t(), h2[s:e]))
         del p, pw
+    if grad_weight is None:                                # no tokens at all
+        grad_weight = torch.zeros_like(weight)
     return grad_hidden.reshape(hidden.shape), grad_weight.to(weight.dtype)
 
 
@@ -137,6 +148,7 @@ def _setup(ctx, inputs, output):
     hidden, weight, labels, ignore_index, reduction, chunk_size = inputs
     loss, lse = output
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)     # no zeros for lse's (absent) gradient
     ctx.save_for_backward(hidden, weight, labels, lse)
     ctx.args = (ignore_index, reduction, chunk_size)
 

@@ -140,7 +140,8 @@ def test_vjp_matches_autograd(name):
 
 def test_every_rule_is_checked():
     """Each differentiable op is checked against autograd by OpInfo samples or by a hand-written case."""
+    from tests.kernels.test_vjp_rules import covered_ops as kernel_ops   # kiln.* fused kernels
     from tests.ops.test_vjp_cases import covered_ops
 
-    missing = sorted(set(OP_NAMES) - set(opinfo_samples()) - covered_ops())
+    missing = sorted(set(OP_NAMES) - set(opinfo_samples()) - covered_ops() - kernel_ops())
     assert not missing, f"VJP rules checked by neither OpInfo samples nor test_vjp_cases: {missing}"

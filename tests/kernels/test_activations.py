@@ -1,0 +1,91 @@
+"""swiglu, swiglu_linear and linear_gelu vs unfused PyTorch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln.kernels as K
+from tests.kernels import refs
+from tests.kernels.refs import BF16, FP32, FP64, LAYOUTS, check
+
+SHAPES = [(9, 24), (2, 7, 40), (2, 3, 5, 16)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_swiglu_fp32(shape, layout):
+    gate, up = LAYOUTS[layout](torch.randn(shape) * 3), torch.randn(shape)
+    check(K.swiglu, refs.swiglu, [gate, up], FP32)
+
+
+def test_swiglu_fp64_and_bf16():
+    g, u = torch.randn(6, 20, dtype=torch.float64) * 3, torch.randn(6, 20, dtype=torch.float64)
+    check(K.swiglu, refs.swiglu, [g, u], FP64)
+    check(K.swiglu, refs.swiglu, [g.bfloat16(), u.bfloat16()], BF16, ref_dtype=torch.float32)
+
+
+def test_swiglu_keeps_only_its_inputs():
+    """silu(gate) is recomputed in the backward: nothing beyond gate and up is saved (eager adds silu(gate))."""
+    g, u = torch.randn(64, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True)
+    assert refs.saved_bytes(K.swiglu, [g, u]) == 0
+    assert refs.saved_bytes(refs.swiglu, [g, u]) >= 64 * 128 * 4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("lead", [(11,), (2, 6), (1, 3, 4)], ids=str)
+def test_swiglu_linear_fp32(lead, layout):
+    x = LAYOUTS[layout](torch.randn(*lead, 32))
+    wg, wu = torch.randn(48, 32) * 0.3, torch.randn(48, 32) * 0.3
+    check(K.swiglu_linear, refs.swiglu_linear, [x, wg, wu], FP32)
+
+
+def test_swiglu_linear_transposed_weights_fp64_bf16():
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    wg, wu = refs.transposed(torch.randn(24, 16, dtype=torch.float64)), torch.randn(24, 16, dtype=torch.float64)
+    check(K.swiglu_linear, refs.swiglu_linear, [x, wg, wu], FP64)
+    check(K.swiglu_linear, refs.swiglu_linear, [x.bfloat16(), (wg * 0.3).bfloat16(), (wu * 0.3).bfloat16()], BF16,
+          ref_dtype=torch.float32)
+
+
+def test_swiglu_linear_saves_less_than_eager():
+    """gate|up (2 x tokens x intermediate) vs eager's gate, up and silu(gate) (3x)."""
+    x, wg, wu = torch.randn(64, 32, requires_grad=True), *(torch.randn(96, 32, requires_grad=True) for _ in range(2))
+    fused, eager = refs.saved_bytes(K.swiglu_linear, [x, wg, wu]), refs.saved_bytes(refs.swiglu_linear, [x, wg, wu])
+    assert fused == 2 * 64 * 96 * 4 and eager == 3 * 64 * 96 * 4
+
+
+def test_swiglu_linear_rejects_mismatched_weights():
+    with pytest.raises(ValueError, match="do not fit"):
+        K.swiglu_linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5, 8))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_linear_gelu_fp32(layout, bias, approximate):
+    x = LAYOUTS[layout](torch.randn(4, 6, 32))
+    w, b = torch.randn(40, 32) * 0.3, torch.randn(40)
+    args = [x, w, b] if bias else [x, w]
+    check(lambda *a: K.linear_gelu(*a, **({} if bias else {"bias": None}), approximate=approximate),
+          lambda *a: refs.linear_gelu(*a, approximate=approximate) if bias else
+          refs.linear_gelu(a[0], a[1], None, approximate), args, FP32)
+
+
+def test_linear_gelu_fp64_bf16():
+    x, w, b = torch.randn(7, 16, dtype=torch.float64), torch.randn(12, 16, dtype=torch.float64), \
+        torch.randn(12, dtype=torch.float64)
+    check(K.linear_gelu, refs.linear_gelu, [x, w, b], FP64)
+    check(K.linear_gelu, refs.linear_gelu, [x.bfloat16(), (w * 0.3).bfloat16(), b.bfloat16()], BF16,
+          ref_dtype=torch.float32)
+
+
+def test_linear_gelu_keeps_no_pre_activation():
+    x, w, b = torch.randn(64, 32, requires_grad=True), torch.randn(80, 32, requires_grad=True), \
+        torch.randn(80, requires_grad=True)
+    assert refs.saved_bytes(K.linear_gelu, [x, w, b]) == 0          # the backward recomputes x @ w.T + b
+    assert refs.saved_bytes(refs.linear_gelu, [x, w, b]) >= 64 * 80 * 4
+
+
+def test_linear_gelu_rejects_unknown_approximation():
+    with pytest.raises(ValueError, match="approximate"):
+        K.linear_gelu(torch.randn(2, 4), torch.randn(3, 4), None, "erf")

@@ -1,0 +1,139 @@
+"""linear_cross_entropy vs F.linear + F.cross_entropy, and its memory bound."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kiln.kernels as K
+from kiln.kernels.cross_entropy import chunk_rows
+from tests.kernels import refs
+from tests.kernels.refs import BF16, FP32, FP64, LAYOUTS, check
+
+
+def _labels(shape, vocab, ignored=0.25, ignore_index=-100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, vocab, shape, generator=g)
+    y[torch.rand(shape, generator=g) < ignored] = ignore_index
+    return y
+
+
+def _fused(y, **kw):
+    return lambda h, w: K.linear_cross_entropy(h, w, y, **kw)
+
+
+def _ref(y, **kw):
+    return lambda h, w: refs.linear_cross_entropy(h, w, y, **kw)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("chunk", [0, 1, 5, 64], ids=lambda c: f"chunk{c}")
+def test_reductions_and_chunks_fp32(reduction, chunk):
+    """Chunk sizes that divide the tokens, do not, are 1 token, or exceed all tokens (0 = automatic)."""
+    h, w, y = torch.randn(2, 13, 24), torch.randn(37, 24) * 0.5, _labels((2, 13), 37)
+    check(_fused(y, reduction=reduction, chunk_size=chunk), _ref(y, reduction=reduction), [h, w], FP32)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_non_contiguous_hidden_and_weight(layout):
+    h, w, y = LAYOUTS[layout](torch.randn(6, 4, 16)), LAYOUTS[layout](torch.randn(50, 16)), _labels((6, 4), 50)
+    check(_fused(y, chunk_size=7), _ref(y), [h, w], FP32)
+
+
+def test_fp64_formula_and_custom_ignore_index():
+    h, w = torch.randn(20, 12, dtype=torch.float64), torch.randn(30, 12, dtype=torch.float64)
+    y = _labels((20,), 30, ignore_index=3)          # 3 is both a class and the ignored label
+    for reduction in ("mean", "sum", "none"):
+        check(_fused(y, ignore_index=3, reduction=reduction, chunk_size=6),
+              _ref(y, ignore_index=3, reduction=reduction), [h, w], FP64)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_labels_ignored(reduction):
+    """PyTorch: mean is nan (0/0) with zero gradients; sum is 0; none is all zeros."""
+    h, w, y = torch.randn(9, 8), torch.randn(11, 8), torch.full((9,), -100)
+    hf, wf = h.clone().requires_grad_(), w.clone().requires_grad_()
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    got = K.linear_cross_entropy(hf, wf, y, reduction=reduction, chunk_size=4)
+    want = refs.linear_cross_entropy(hr, wr, y, reduction=reduction)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(hf.grad, hr.grad, equal_nan=True)
+    torch.testing.assert_close(wf.grad, wr.grad, equal_nan=True)
+    assert not hf.grad.isnan().any() and not wf.grad.any()
+
+
+@pytest.mark.parametrize("chunk", [5, 0], ids=["fp32-accumulated-chunks", "one-chunk"])
+def test_bf16_loss_is_fp32(chunk):
+    h, w, y = torch.randn(12, 16).bfloat16(), (torch.randn(40, 16) * 0.5).bfloat16(), _labels((12,), 40)
+    out = check(_fused(y, chunk_size=chunk), _ref(y), [h, w], BF16, ref_dtype=torch.float32)
+    assert out[0].dtype == torch.float32
+
+
+def test_chunk_rows_do_not_grow_with_tokens():
+    assert chunk_rows(10 ** 6, 32000, 0) == chunk_rows(10 ** 4, 32000, 0) < 10 ** 4
+    assert chunk_rows(10 ** 6, 128000, 0) * 128000 <= max(chunk_rows(10 ** 6, 32000, 0) * 32000, 128 * 128000)
+    assert chunk_rows(100, 32000, 0) == 100 and chunk_rows(100, 32000, 7) == 7
+
+
+def test_saves_only_lse():
+    h, w, y = torch.randn(64, 16, requires_grad=True), torch.randn(1000, 16, requires_grad=True), _labels((64,), 1000)
+    assert refs.saved_bytes(lambda h, w, y: K.linear_cross_entropy(h, w, y), [h, w, y]) == 64 * 4
+    assert refs.saved_bytes(lambda h, w, y: refs.linear_cross_entropy(h, w, y), [h, w, y]) >= 64 * 1000 * 4
+
+
+def test_rejects_bad_arguments():
+    h, w, y = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="reduction"):
+        K.linear_cross_entropy(h, w, y, reduction="avg")
+    with pytest.raises(ValueError, match="labels"):
+        K.linear_cross_entropy(h, w, torch.zeros(5, dtype=torch.long))
+
+
+_PEAK = textwrap.dedent("""
+    import json, re, sys, torch
+    import torch.nn.functional as F
+    import kiln.kernels as K
+    torch.set_num_threads(1)
+    tokens, vocab, chunk, fused = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "fused"
+    def loss(h, w, y):
+        return K.linear_cross_entropy(h, w, y, chunk_size=chunk) if fused else F.cross_entropy(F.linear(h, w), y)
+    def inputs(t, v):
+        w = (torch.randn(v, 64) * 0.05).requires_grad_()
+        return torch.randn(t, 64, requires_grad=True), w, torch.randint(0, v, (t,))
+    loss(*inputs(16, 100)).backward()                # library warm-up
+    h, w, y = inputs(tokens, vocab)
+    kib = lambda f: int(re.search(f + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+    open("/proc/self/clear_refs", "w").write("5")
+    base = kib("VmRSS")
+    loss(h, w, y).backward()
+    print(json.dumps((kib("VmHWM") - base) * 1024))
+""")
+
+
+def _peak(tokens, vocab, variant, chunk=256) -> int:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")      # freed buffers leave the process at once
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(tokens), str(vocab), str(chunk), variant], env=env,
+                         check=True, capture_output=True, text=True, cwd=root)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs a resettable RSS high-water mark")
+def test_peak_memory_does_not_grow_with_tokens_times_vocab():
+    """Measured RSS peak of forward+backward (fresh processes): the fused kernel holds a few
+    256-token chunks of logits plus the parameter-sized weight gradient; eager holds whole
+    (tokens x vocab) logits, their softmax and their gradient."""
+    tokens, vocab = 2048, 8192
+    logits, chunk, weight_grad = tokens * vocab * 4, 256 * vocab * 4, vocab * 64 * 4     # 64, 8 and 2 MiB
+    fused, eager = _peak(tokens, vocab, "fused"), _peak(tokens, vocab, "unfused")
+    assert eager > 2 * logits, eager
+    assert fused < 3 * chunk + 2 * weight_grad + 4 * 2 ** 20, fused
+    # twice the tokens: eager's logits double; the fused peak grows by grad_hidden (2048 x 64 floats) only
+    assert _peak(2 * tokens, vocab, "fused") < fused + 3 * 2 ** 20

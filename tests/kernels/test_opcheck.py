@@ -1,0 +1,100 @@
+"""torch.library.opcheck on every kiln custom op: schema, fake (meta) implementation, autograd
+registration and AOT dispatch (with dynamic shapes), a few samples each, fp32 and fp64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln.kernels as K
+from tests.kernels.refs import strided, transposed
+
+k = torch.ops.kiln
+DETERMINISTIC = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+# a random op gives different outputs on every call, which the AOT-dispatch test compares
+RANDOM = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def _r(*shape, dtype=torch.float32, grad=True):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+def _plain(*ts):
+    return [t.detach() if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+def samples():
+    """(id, op, args, test_utils)."""
+    out = []
+    for dt in (torch.float32, torch.float64):
+        tag = str(dt).split(".")[-1]
+        x, r, w, b = _r(3, 5, 16, dtype=dt), _r(3, 5, 16, dtype=dt), _r(16, dtype=dt), _r(16, dtype=dt)
+        out += [(f"rms_norm-{tag}", k.rms_norm.default, (x, w, 1e-6), DETERMINISTIC),
+                (f"add_rms_norm-{tag}", k.add_rms_norm.default, (x, r, w, 1e-6), DETERMINISTIC)]
+        _, rstd = k.rms_norm(*_plain(x, w), 1e-6)
+        g = torch.randn(3, 5, 16, dtype=dt)
+        out += [(f"rms_norm_backward-{tag}", k.rms_norm_backward.default, (g, None, x.detach(), w.detach(), rstd),
+                 DETERMINISTIC),
+                (f"rms_norm_backward-residual-{tag}", k.rms_norm_backward.default,
+                 (g, torch.randn_like(g), x.detach(), w.detach(), rstd), DETERMINISTIC)]
+        out += [(f"dal-p0-{tag}", k.dropout_add_layer_norm.default, (x, r, w, b, 0.0, 1e-5, True), DETERMINISTIC),
+                (f"dal-eval-noaffine-{tag}", k.dropout_add_layer_norm.default, (x, r, None, None, 0.3, 1e-5, False),
+                 DETERMINISTIC),
+                (f"dal-p03-{tag}", k.dropout_add_layer_norm.default, (x, r, w, b, 0.3, 1e-5, True), RANDOM)]
+        _, s, mean, rstd_ln, _ = k.dropout_add_layer_norm(*_plain(x, r, w, b), 0.0, 1e-5, True)
+        out += [(f"dal_backward-{tag}", k.dropout_add_layer_norm_backward.default,
+                 (g, torch.randn_like(g), s, w.detach(), b.detach(), mean, rstd_ln), DETERMINISTIC),
+                (f"dal_backward-noaffine-{tag}", k.dropout_add_layer_norm_backward.default,
+                 (g, None, s, None, None, mean, rstd_ln), DETERMINISTIC)]
+        gate, up = _r(4, 6, 10, dtype=dt), _r(4, 6, 10, dtype=dt)
+        out += [(f"swiglu-{tag}", k.swiglu.default, (gate, up), DETERMINISTIC),
+                (f"swiglu_backward-{tag}", k.swiglu_backward.default,
+                 (torch.randn(4, 6, 10, dtype=dt), *_plain(gate, up)), DETERMINISTIC)]
+        wg, wu = _r(12, 16, dtype=dt), _r(12, 16, dtype=dt)
+        _, gate_up = k.swiglu_linear(*_plain(x, wg, wu))
+        out += [(f"swiglu_linear-{tag}", k.swiglu_linear.default, (x, wg, wu), DETERMINISTIC),
+                (f"swiglu_linear_backward-{tag}", k.swiglu_linear_backward.default,
+                 (torch.randn(3, 5, 12, dtype=dt), *_plain(x, wg, wu), gate_up), DETERMINISTIC)]
+        wl, bl = _r(20, 16, dtype=dt), _r(20, dtype=dt)
+        out += [(f"linear_gelu-{tag}", k.linear_gelu.default, (x, wl, bl, "none"), DETERMINISTIC),
+                (f"linear_gelu-tanh-nobias-{tag}", k.linear_gelu.default, (x, wl, None, "tanh"), DETERMINISTIC),
+                (f"linear_gelu_backward-{tag}", k.linear_gelu_backward.default,
+                 (torch.randn(3, 5, 20, dtype=dt), *_plain(x, wl, bl), "none"), DETERMINISTIC)]
+        q, kk = _r(2, 4, 6, 8, dtype=dt), _r(2, 2, 6, 8, dtype=dt)
+        cos, sin = torch.randn(2, 1, 6, 8, dtype=dt), torch.randn(2, 1, 6, 8, dtype=dt)
+        out += [(f"rope-{tag}", k.rope.default, (q, kk, cos, sin), DETERMINISTIC),
+                (f"rope-learned-table-{tag}", k.rope.default, (q, kk, _r(6, 8, dtype=dt), _r(6, 8, dtype=dt)),
+                 DETERMINISTIC),
+                (f"rope_backward-{tag}", k.rope_backward.default,
+                 (torch.randn(2, 4, 6, 8, dtype=dt), torch.randn(2, 2, 6, 8, dtype=dt), cos, sin), DETERMINISTIC)]
+        h, wv = _r(2, 7, 16, dtype=dt), _r(30, 16, dtype=dt)
+        y = torch.randint(0, 30, (2, 7))
+        y[0, :2] = -100
+        for red in ("mean", "none"):
+            loss, lse = k.linear_cross_entropy(*_plain(h, wv), y, -100, red, 4)
+            out += [(f"lce-{red}-{tag}", k.linear_cross_entropy.default, (h, wv, y, -100, red, 4), DETERMINISTIC),
+                    (f"lce_backward-{red}-{tag}", k.linear_cross_entropy_backward.default,
+                     (torch.randn_like(loss), *_plain(h, wv), y, lse, -100, red, 4), DETERMINISTIC)]
+    # non-contiguous inputs (fp32)
+    xs, ws = strided(torch.randn(6, 16)).requires_grad_(), transposed(torch.randn(16, 16)).requires_grad_()
+    out += [("rms_norm-strided", k.rms_norm.default, (xs, _r(16), 1e-6), DETERMINISTIC),
+            ("swiglu_linear-transposed", k.swiglu_linear.default, (xs, ws, _r(16, 16)), DETERMINISTIC),
+            ("linear_gelu-transposed", k.linear_gelu.default, (transposed(torch.randn(5, 4, 16)).requires_grad_(),
+                                                                ws, None, "none"), DETERMINISTIC),
+            ("rope-transposed", k.rope.default, (_r(2, 6, 3, 8).transpose(1, 2), _r(2, 6, 1, 8).transpose(1, 2),
+                                                 torch.randn(6, 8), torch.randn(6, 8)), DETERMINISTIC),
+            ("lce-strided", k.linear_cross_entropy.default, (xs, _r(9, 16), torch.randint(0, 9, (6,)), -100,
+                                                             "sum", 0), DETERMINISTIC)]
+    return out
+
+
+SAMPLES = samples()
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s[0] for s in SAMPLES])
+def test_opcheck(sample):
+    _, op, args, utils = sample
+    torch.library.opcheck(op, args, test_utils=utils)
+
+
+def test_every_op_has_samples():
+    assert {s[1] for s in SAMPLES} == set(K.OPS.values())

@@ -1,0 +1,104 @@
+"""Kiln's VJP rule of each kernel op, one op call at a time (tests/ops/helpers.check_vjp), against
+torch.autograd of an unfused PyTorch reference: Kiln builds the graph, differentiates it with the
+rule (which emits the kernel's backward op) and runs the generated code."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln.kernels  # noqa: F401  (defines torch.ops.kiln.*)
+from kiln.ops.registry import lookup
+from tests.kernels import refs
+from tests.ops.helpers import check_vjp
+
+k = torch.ops.kiln
+TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=2e-5, atol=2e-5)}
+
+
+def _rstd(s, eps=1e-6):
+    return torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps).detach()
+
+
+def _ln_stats(s, eps=1e-5):
+    var, mean = torch.var_mean(s.detach(), -1, correction=0, keepdim=True)
+    return mean, torch.rsqrt(var + eps)
+
+
+def _dal_ref(x, r, w, b, p, eps, training):
+    s = x + r                                     # p = 0 / eval: the op's mask is empty
+    return (F.layer_norm(s, (s.shape[-1],), w, b, eps), s, *_ln_stats(s, eps), torch.empty(0, dtype=torch.bool))
+
+
+def _lce_ref(h, w, y, ignore_index, reduction, chunk):
+    logits = F.linear(h, w)
+    loss = F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=ignore_index, reduction=reduction)
+    return loss.reshape(y.shape) if reduction == "none" else loss, torch.logsumexp(logits, -1).detach()
+
+
+@dataclass
+class Case:
+    id: str
+    target: object
+    make: Callable                 # dtype -> args
+    ref: Callable                  # unfused PyTorch, same outputs as the op
+    outputs: tuple = (0,)          # outputs that get a cotangent (the differentiable ones)
+
+
+def _r(*s, dtype):
+    return torch.randn(*s, dtype=dtype)
+
+
+CASES = [
+    Case("rms_norm", k.rms_norm.default, lambda d: (_r(3, 4, 16, dtype=d), _r(16, dtype=d), 1e-6),
+         lambda x, w, eps: (refs.rms_norm(x, w, eps), _rstd(x, eps))),
+    Case("add_rms_norm", k.add_rms_norm.default,
+         lambda d: (_r(3, 4, 16, dtype=d), _r(3, 4, 16, dtype=d), _r(16, dtype=d), 1e-6),
+         lambda x, r, w, eps: (*refs.rms_norm(x, w, eps, residual=r), _rstd(x + r, eps)), outputs=(0, 1)),
+    Case("dropout_add_layer_norm", k.dropout_add_layer_norm.default,
+         lambda d: (_r(2, 5, 12, dtype=d), _r(2, 5, 12, dtype=d), _r(12, dtype=d), _r(12, dtype=d), 0.0, 1e-5, True),
+         _dal_ref, outputs=(0, 1)),
+    Case("dropout_add_layer_norm-eval-noaffine", k.dropout_add_layer_norm.default,
+         lambda d: (_r(4, 12, dtype=d), _r(4, 12, dtype=d), None, None, 0.5, 1e-5, False), _dal_ref, outputs=(0, 1)),
+    Case("swiglu", k.swiglu.default, lambda d: (_r(3, 8, dtype=d) * 2, _r(3, 8, dtype=d)), refs.swiglu),
+    Case("swiglu_linear", k.swiglu_linear.default,
+         lambda d: (_r(2, 3, 8, dtype=d), _r(10, 8, dtype=d), _r(10, 8, dtype=d)),
+         lambda x, wg, wu: (refs.swiglu_linear(x, wg, wu),
+                            torch.cat([F.linear(x, wg), F.linear(x, wu)], -1).detach())),
+    Case("linear_gelu", k.linear_gelu.default,
+         lambda d: (_r(2, 3, 8, dtype=d), _r(6, 8, dtype=d), _r(6, dtype=d), "none"), refs.linear_gelu),
+    Case("linear_gelu-tanh-nobias", k.linear_gelu.default,
+         lambda d: (_r(5, 8, dtype=d), _r(6, 8, dtype=d), None, "tanh"), refs.linear_gelu),
+    # cos/sin are floating, so they are trainable here: the rule's table gradients are checked too
+    Case("rope", k.rope.default, lambda d: (_r(2, 3, 4, 8, dtype=d), _r(2, 1, 4, 8, dtype=d), _r(4, 8, dtype=d),
+                                            _r(4, 8, dtype=d)), refs.rope, outputs=(0, 1)),
+    Case("linear_cross_entropy", k.linear_cross_entropy.default,
+         lambda d: (_r(2, 6, 8, dtype=d), _r(20, 8, dtype=d), torch.tensor([[1, -100, 3, 4, 19, 0]] * 2), -100,
+                    "mean", 5), _lce_ref),
+    Case("linear_cross_entropy-none", k.linear_cross_entropy.default,
+         lambda d: (_r(7, 8, dtype=d), _r(20, 8, dtype=d), torch.tensor([1, -100, 3, 4, 19, 0, 2]), -100, "none", 3),
+         _lce_ref),
+]
+
+
+def covered_ops() -> set[str]:
+    """Registry names of the kernel ops whose VJP rules these cases check (for tests/ops'
+    every-rule-is-checked test to count)."""
+    return {lookup(c.target).name for c in CASES}
+
+
+@pytest.mark.parametrize("dtype,strided", [(torch.float64, False), (torch.float32, False), (torch.float64, True)],
+                         ids=["fp64", "fp32", "fp64-strided-grad"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_kernel_vjp_rule(case: Case, dtype, strided):
+    torch.manual_seed(0)
+    check_vjp(case.target, case.make(dtype), {}, ref=case.ref, outputs=case.outputs, strided_cotangents=strided,
+              what=f"[{case.id} {dtype}]", **TOL[dtype])
+
+
+def test_every_forward_kernel_rule_is_checked():
+    from kiln.kernels import OPS
+    assert covered_ops() == {lookup(t).name for n, t in OPS.items() if not n.endswith("_backward")}
