@@ -90,7 +90,12 @@ def markdown(report: dict, json_name: str, out_name: str | None, image: str | No
               "- **Loss step 1 -> k**: the training loss at the first step and at step k, the last step "
               "every mode reached (warm-up steps count; a mode cut short by the budget runs fewer). Same "
               "weights, same data: the modes should agree closely, bf16 ones within rounding; a mode whose "
-              "loss drifts away computes something different.", ""]
+              "loss drifts away computes something different.", "",
+              "## Other benchmarks", "",
+              "- Fused kernels (`kiln.kernels`) against their unfused PyTorch code, time and peak memory per "
+              "kernel, fp32 and bf16: [kernels.md](kernels.md) (`python benchmarks/kernels.py`).",
+              "- Low-noise eager vs Kiln step-time ratios, modes interleaved in one process: "
+              "`python benchmarks/step_compare.py --modes eager,kiln` (`--json FILE` to record).", ""]
     return "\n".join(lines)
 
 
