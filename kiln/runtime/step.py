@@ -43,6 +43,23 @@ def _leaf_key(x: Any):
                      "strings, None, or lists/tuples/dicts of them")
 
 
+def _unalias(args, kwargs):
+    """Give capture distinct tensors where the user passed one tensor twice (input_ids=x, labels=x).
+    Export would otherwise specialize the program on that aliasing, and a later call with two
+    different tensors of the same signature would silently read the wrong one."""
+    seen: set[int] = set()
+
+    def fresh(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        key = x.untyped_storage().data_ptr()
+        if key in seen and x.numel():
+            return x.clone()
+        seen.add(key)
+        return x
+    return pytree.tree_map(fresh, (tuple(args), dict(kwargs)))
+
+
 class CompiledStep:
     """Forward + backward + optimizer update of `model` as one compiled program per input signature.
 
@@ -105,6 +122,7 @@ class CompiledStep:
 
     def _compile(self, args, kwargs, names) -> Program:
         t0 = time.perf_counter()
+        args, kwargs = _unalias(args, kwargs)
         captured, constants = capture(self.model, self.loss_fn, args, kwargs)
         ctx = run_pipeline(Context(captured.graph, self.optimizer, names, amp=self.amp, verify=self.verify))
         source, fn = generate(ctx.graph)

@@ -232,3 +232,16 @@ def test_train_and_eval_mode_compile_separate_programs():
     model.train()
     step(x, y)
     assert len(step.programs) == 2
+
+
+def test_one_tensor_passed_twice_does_not_specialize_the_program():
+    """input_ids=x, labels=x compiles a program that is also right for two different tensors."""
+    model, _, kwargs, _ = zoo.gpt2()
+    ref = copy.deepcopy(model)
+    ids = kwargs["input_ids"]
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.0))
+    step(input_ids=ids, labels=ids)
+    other = torch.randint(0, zoo.VOCAB, ids.shape)
+    got = step(input_ids=ids, labels=other)
+    assert len(step.programs) == 1
+    torch.testing.assert_close(got, ref(input_ids=ids, labels=other).loss.detach(), rtol=1e-5, atol=1e-6)
