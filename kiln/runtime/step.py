@@ -103,7 +103,9 @@ class CompiledStep:
         kwargs = dict(sorted(kwargs.items()))
         leaves, spec = pytree.tree_flatten((args, kwargs))
         names = self.dialects or dialect_registry.enabled()
-        key = (str(spec), tuple(_leaf_key(x) for x in leaves), self.model.training, names)
+        # hyper-parameters other than lr are baked into the generated code: changing one recompiles
+        hyper = tuple((k, v) for k, v in sorted(self.optimizer.hyperparameters().items()) if k != "lr")
+        key = (str(spec), tuple(_leaf_key(x) for x in leaves), self.model.training, names, hyper)
         prog = self.programs.get(key)
         if prog is None:
             if len(self.programs) >= self.max_programs:

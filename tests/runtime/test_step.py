@@ -245,3 +245,23 @@ def test_one_tensor_passed_twice_does_not_specialize_the_program():
     got = step(input_ids=ids, labels=other)
     assert len(step.programs) == 1
     torch.testing.assert_close(got, ref(input_ids=ids, labels=other).loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_changing_a_baked_hyperparameter_recompiles():
+    model, x, y = mlp_and_data()
+    ref = copy.deepcopy(model)
+    kopt = kiln.optim.SGD(lr=0.1, momentum=0.9)
+    step = kiln.compile(model, optimizer=kopt, loss_fn=ce)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for wd in (0.0, 0.1):
+        kopt.weight_decay = wd
+        for g in opt.param_groups:
+            g["weight_decay"] = wd
+        for _ in range(2):
+            step(x, y)
+            opt.zero_grad()
+            ce(ref, x, y).backward()
+            opt.step()
+    assert len(step.programs) == 2
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
