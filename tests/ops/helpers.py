@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import kiln.autodiff
 from kiln.errors import KilnError
@@ -39,13 +40,7 @@ def flat_tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def _map_tensors(fn, obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(fn, x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(fn, x) for k, x in obj.items()}
-    return obj
+    return pytree.tree_map_only(torch.Tensor, fn, obj)
 
 
 def _as_list(out: Any) -> list:
