@@ -2,7 +2,6 @@
 initial weights on the same batches, and print both losses and step times."""
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics

@@ -68,14 +68,13 @@ FALLBACK_BACKWARD = register(OpDef("kiln.fallback_backward", (fallback_backward,
 
 def convert(b, node, requires: set[Value], reason: str):
     """Turn `node` into a fallback forward node in place; return a rule that emits its backward."""
-    from kiln.ir.graph import Value as V
     diff = [v for v in node.inputs if v in requires]
     index = {v: i for i, v in enumerate(diff)}
     template = tree_map_values(lambda v: _Slot(index[v]) if v in index else v, (node.args, node.kwargs))
     original = node.target
     log.warning("kiln: no gradient rule for %s (in %s): %s; using the torch.func.vjp fallback "
                 "(one opaque node, shown by explain)", node.op.name, node.scope or "<top>", reason)
-    closure = V(b.graph.fresh_name("vjp_fn"), None, node)
+    closure = Value(b.graph.fresh_name("vjp_fn"), None, node)
     node.op, node.target = FALLBACK_FORWARD, fallback_forward
     node.args, node.kwargs = (original, template, *diff), {}
     node.outputs = node.outputs + [closure]

@@ -1,2 +1,2 @@
 """Capture: the user's forward (model + loss) as Kiln IR, via torch.export."""
-from kiln.capture.export import Captured, capture, extract_loss  # noqa: F401
+from kiln.capture.export import capture, extract_loss  # noqa: F401

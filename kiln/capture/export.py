@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -62,13 +61,6 @@ class LossModule(torch.nn.Module):
         return extract_loss(self.model(*args, **kwargs))
 
 
-@dataclass
-class Captured:
-    graph: Graph
-    loss: Value
-    user_leaves: int            # number of flattened (args, kwargs) leaves the graph expects
-
-
 @contextlib.contextmanager
 def _training_config(model: torch.nn.Module):
     """Hugging Face models: no KV cache while training (caches are inference state)."""
@@ -97,8 +89,9 @@ def _meta(val: Any) -> TensorMeta | None:
     return TensorMeta.of(val) if isinstance(val, torch.Tensor) else None
 
 
-def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwargs: dict) -> tuple[Captured, dict]:
-    """Export model+loss on (args, kwargs). Returns the capture and {constant name: tensor}."""
+def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwargs: dict) -> tuple[Graph, dict]:
+    """Export model+loss on (args, kwargs). Returns the forward graph (outputs[0] is the loss) and
+    {lifted constant name: tensor}."""
     wrapper = LossModule(model, loss_fn)
     stack: list[str] = []
     try:
@@ -114,7 +107,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
         if cause is not None:
             raise cause from None
         raise CaptureError(_describe_failure(model, stack, e)) from e
-    return _to_kiln(ep, model, args, kwargs)
+    return _to_kiln(ep, model)
 
 
 @contextlib.contextmanager
@@ -175,7 +168,7 @@ def _describe_failure(model, stack: list[str], e: Exception) -> str:
             f":\n  {type(e).__name__}: {first}{hint}")
 
 
-def _to_kiln(ep, model, args, kwargs) -> tuple[Captured, dict]:
+def _to_kiln(ep, model) -> tuple[Graph, dict]:
     g = Graph()
     sig = ep.graph_signature
     env: dict[str, Any] = {}
@@ -236,5 +229,4 @@ def _to_kiln(ep, model, args, kwargs) -> tuple[Captured, dict]:
             raise UnsupportedError(f"the forward mutates {spec.target} ({spec.kind.name}); "
                                    "Kiln supports in-place updates of buffers only")
     g.outputs = [loss]
-    n_leaves = len(pytree.tree_leaves((tuple(args), dict(kwargs))))
-    return Captured(g, loss, n_leaves), constants
+    return g, constants

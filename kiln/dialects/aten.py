@@ -45,7 +45,7 @@ def sdpa_math(b, n):
     q, k, v, mask, p, causal, scale, gqa = sdpa_args(n)
     if gqa:
         k, v = expand_kv_heads(b, q, k, v)
-    qs, ks, vs = shape(q), shape(k), shape(v)
+    qs, ks = shape(q), shape(k)
     L, S, E = qs[-2], ks[-2], qs[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     batch = qs[:-2]

@@ -11,9 +11,13 @@ import enum
 import keyword
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kiln.dialects.registry import Impl
+    from kiln.ops.registry import OpDef
 
 
 @dataclass(frozen=True)
@@ -136,14 +140,14 @@ def depends_on(v: Value, roles: set) -> bool:
 class Node:
     """One op application. `args`/`kwargs` hold Values and Python constants (nested lists allowed)."""
 
-    op: "OpDef"  # noqa: F821  (kiln.ops.registry.OpDef): every fact about the op
+    op: "OpDef"                      # every fact about the op
     target: Any                      # the exact overload that runs (aten.add.Tensor, ...)
     args: tuple
     kwargs: dict
     outputs: list[Value]
     phase: Phase
     scope: str = ""                  # module path it came from, e.g. "model.layers.0.self_attn"
-    impl: "Impl | None" = None      # noqa: F821  chosen by the dispatch pass
+    impl: "Impl | None" = None       # chosen by the dispatch pass
     uid: int = field(default_factory=lambda: next(_ids))
 
     @property

@@ -40,8 +40,7 @@ def sum_to(b, g: Value, target_shape) -> Value:
     if dims:
         g = b(aten.sum.dim_IntList, g, dims, True)
     if shape(g) != target_shape:
-        g = b(aten.view.default, g, target_shape) if g.meta.stride and _is_contig(g) else \
-            b(aten.reshape.default, g, target_shape)
+        g = reshape(b, g, target_shape)
     return g
 
 

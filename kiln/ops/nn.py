@@ -15,9 +15,7 @@ LOW, F32 = Cast.LOWER, Cast.FP32
 
 def _matmul_flops(n) -> float:
     """2*M*N*K for the node's matmul (batch dims folded into M)."""
-    a, w = n.args[0], n.args[1]
-    if n.target is aten.addmm.default:
-        a, w = n.args[1], n.args[2]
+    a = n.args[1] if n.target is aten.addmm.default else n.args[0]
     k = shape(a)[-1]
     return 2.0 * n.out.meta.numel * k
 

@@ -60,8 +60,7 @@ def _identity_transpose(b, n):
 
 def _full_slice(b, n):
     # x[:, 0:len] -> x
-    x, dim = n.args[0], arg(n, 1, "dim", 0)
-    step = arg(n, 4, "step", 1)
+    x, step = n.args[0], arg(n, 4, "step", 1)
     return x if shape(x) == shape(n.out) and step == 1 else None
 
 

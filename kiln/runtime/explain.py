@@ -21,9 +21,9 @@ def compute_dtype(n) -> str:
 
 
 def explain(step, file=None) -> str:
-    prog = step._program() if hasattr(step, "_program") else None
-    if prog is None:
+    if not hasattr(step, "_program"):
         raise KilnError("kiln.explain expects the object returned by kiln.compile")
+    prog = step._program()
     g = prog.graph
     rows = []
     for i, n in enumerate(g.nodes):

@@ -125,20 +125,20 @@ class CompiledStep:
     def _compile(self, args, kwargs, names) -> Program:
         t0 = time.perf_counter()
         args, kwargs = _unalias(args, kwargs)
-        captured, constants = capture(self.model, self.loss_fn, args, kwargs)
-        ctx = run_pipeline(Context(captured.graph, self.optimizer, names, amp=self.amp, verify=self.verify))
+        graph, constants = capture(self.model, self.loss_fn, args, kwargs)
+        ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify))
         source, fn = generate(ctx.graph)
-        fetch = [self._fetcher(v, constants) for v in ctx.graph.inputs]
+        module_tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        module_tensors.update(self.model.named_buffers(remove_duplicate=False))
+        fetch = [self._fetcher(v, constants, module_tensors) for v in ctx.graph.inputs]
         seconds = time.perf_counter() - t0
         fallbacks = sum(n.op.name == "kiln.fallback_forward" for n in ctx.graph.nodes)
         log.info("kiln: compiled %s in %.2fs: %d nodes%s", type(self.model).__name__, seconds, len(ctx.graph.nodes),
                  f", {fallbacks} fallback(s)" if fallbacks else "")
         return Program(ctx.graph, source, fn, fetch, seconds, ctx.timings)
 
-    def _fetcher(self, v, constants) -> Callable[[list, float], Any]:
+    def _fetcher(self, v, constants, module_tensors) -> Callable[[list, float], Any]:
         if v.role in (Role.PARAM, Role.FROZEN, Role.BUFFER):
-            module_tensors = dict(self.model.named_parameters(remove_duplicate=False))
-            module_tensors.update(self.model.named_buffers(remove_duplicate=False))
             t = module_tensors[v.source]
             return lambda leaves, lr: t
         if v.role is Role.CONSTANT:
