@@ -6,7 +6,8 @@
 Every mode trains its own copy of the same model on the same batch; steps are interleaved (the mode
 order rotates every step) so machine noise hits all modes alike; the first --warmup steps of each
 mode are excluded (page faults, allocator growth); medians and the inter-quartile range are reported.
-eager-bf16 is torch.autocast(bfloat16); kiln-bf16 is kiln.compile(..., amp="bf16"). Peak memory per
+eager-bf16 is torch.autocast(bfloat16); kiln-bf16 is kiln.compile(..., amp="bf16"); a -nofuse suffix
+disables the `kiln` dialect (no subgraph fused into Kiln's kernels). Peak memory per
 mode needs separate processes: use `kiln bench` for that.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import transformers
 
 import kiln
+from kiln.dialects import registry as kiln_dialects
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -54,8 +56,10 @@ def build(args):
 def make_mode(name, model, ids):
     """A zero-argument function running one training step of `model` in mode `name`."""
     if name.startswith("kiln"):
+        # "-nofuse": every dialect but `kiln`, so no subgraph is fused into Kiln's kernels
+        dialects = [d for d in kiln_dialects.enabled() if d != "kiln"] if "-nofuse" in name else None
         step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-4, weight_decay=0.01),
-                            amp="bf16" if name.endswith("bf16") else None)
+                            amp="bf16" if "-bf16" in name else None, dialects=dialects)
         return lambda: step(input_ids=ids, labels=ids)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     low = name.endswith("bf16")
@@ -78,7 +82,7 @@ def quartiles(xs):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["llama", "gpt2", "bert"], default="llama")
-    p.add_argument("--modes", default="eager,kiln", help="comma list of eager, kiln, eager-bf16, kiln-bf16")
+    p.add_argument("--modes", default="eager,kiln", help="comma list of eager, kiln, eager-bf16, kiln-bf16, kiln-nofuse, kiln-bf16-nofuse")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -91,7 +95,7 @@ def main() -> None:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
 
-    known = {"eager", "kiln", "eager-bf16", "kiln-bf16"}
+    known = {"eager", "kiln", "eager-bf16", "kiln-bf16", "kiln-nofuse", "kiln-bf16-nofuse"}
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not names or set(names) - known:
         p.error(f"--modes takes a comma list of {sorted(known)}")

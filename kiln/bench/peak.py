@@ -6,8 +6,10 @@ picks for a dtype all move it.  On CPUs without native bf16 instructions, for
 example, bf16 matmuls run tens of times slower than fp32.
 
 The rate is the best of ``torch.mm`` and ``F.linear`` (they can dispatch to
-different kernels: oneDNN for linear, BLAS for mm), each the median of a few
-repetitions on square matrices.  The size grows until one product takes about
+different kernels: oneDNN for linear, BLAS for mm) and, for low-precision
+dtypes, of the product of fp32 copies rounded back once (how Kiln's ``upcast``
+dialect multiplies bf16 operands on CPUs without bf16 instructions), each the
+median of a few repetitions on square matrices.  The size grows until one product takes about
 ``target_s`` so tiny sizes do not understate the rate, and stays small where
 the dtype is slow so the measurement stays short.
 """
@@ -46,7 +48,10 @@ def measure(dtype: str, target_s: float = 0.05, max_n: int = 4096, reps: int = 5
             break
         n *= 2
     rates = {}
-    for op, fn in (("mm", lambda: torch.mm(a, b)), ("linear", lambda: F.linear(a, b))):
+    candidates = [("mm", lambda: torch.mm(a, b)), ("linear", lambda: F.linear(a, b))]
+    if torch_dtype != torch.float32:
+        candidates.append(("upcast", lambda: torch.mm(a.float(), b.float()).to(torch_dtype)))
+    for op, fn in candidates:
         rates[op] = 2 * n ** 3 / _median_time(fn, reps)
     best = max(rates, key=rates.get)
     return {"flops_per_s": rates[best], "op": best, "n": n, "rates": rates, "reps": reps,

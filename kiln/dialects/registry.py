@@ -5,6 +5,8 @@ Each registers implementations of ops, of two forms:
 - a *kernel*: the callable the generated step calls for a node of that op;
 - a *lowering*: a graph rewrite that replaces the op with other ops before autodiff (e.g. sdpa ->
   PyTorch's flash-attention kernels whose backward kernel exists; or -> math ops).
+- a *fusion*: a pattern over several nodes (`kiln.ir.pattern`) and a builder that replaces the
+  matched subgraph with one fused op of the dialect (RAF's FuseDialect), run by the `fuse` pass.
 For every node, the highest-priority implementation whose dialect is enabled, whose devices include
 the node's device, and whose checker accepts the node's concrete shapes/dtypes is used; the others
 are the fallback. `aten` implements every ATen op, so there is always one.
@@ -46,8 +48,37 @@ class Impl:
         return devices <= set(self.dialect.devices) and bool(self.checker(node))
 
 
+@dataclass
+class Fusion:
+    """Replace every match of `pattern` (rooted at a value) by what `build(b, matches)` emits.
+
+    `build` gets a Builder positioned where the fused op goes and the list of matches it fuses (one, or
+    a group: see `group_by`); it returns, per match, the replacement of the root node's outputs, or
+    None to decline (the nodes stay as they are). `group_by(match)` groups matches with equal keys into
+    one build call (a key of None: leave the match alone), split in graph order into chunks of
+    `group_size` (all of them if None); chunks smaller than `min_group` are left alone. `phase` says which graph it applies to: "forward" (before amp and autodiff, so the fused op's
+    own VJP rule and cast class apply) or "training" (after autodiff and the optimizer).
+    """
+
+    dialect: Dialect
+    name: str
+    pattern: Any                   # kiln.ir.pattern.Pattern
+    build: Callable
+    priority: int = 0
+    phase: str = "forward"
+    group_by: Callable | None = None
+    group_size: int | None = None
+    min_group: int = 1
+    doc: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.dialect.name}:{self.name}"
+
+
 DIALECTS: dict[str, Dialect] = {}
 _IMPLS: dict[Any, list[Impl]] = {}
+_FUSIONS: list[Fusion] = []
 
 
 def dialect(name: str, priority: int, devices=("cpu", "cuda"), doc: str = "") -> Dialect:
@@ -62,6 +93,25 @@ def kernel(d: Dialect, target: Any, fn: Callable, checker=None, priority: int = 
 
 def lowering(d: Dialect, target: Any, fn: Callable, checker=None, priority: int = 0, name: str = "") -> Impl:
     return _add(Impl(d, target, lower=fn, checker=checker or (lambda n: True), priority=priority, name=name))
+
+
+def fusion(d: Dialect, name: str, pattern: Any, build: Callable, *, priority: int = 0, phase: str = "forward",
+           group_by: Callable | None = None, group_size: int | None = None, min_group: int = 1,
+           doc: str = "") -> Fusion:
+    if phase not in ("forward", "training"):
+        raise ValueError(f"fusion {name}: phase must be 'forward' or 'training', got {phase!r}")
+    f = Fusion(d, name, pattern, build, priority, phase, group_by, group_size, min_group, doc)
+    _FUSIONS.append(f)
+    return f
+
+
+def fusions(names: tuple[str, ...], phase: str) -> list[Fusion]:
+    """The fusions of enabled dialects for `phase`, in the order to try them: dialect preference
+    (the order of `names`), then priority."""
+    _ensure_loaded()
+    rank = {n: i for i, n in enumerate(names)}
+    chosen = [f for f in _FUSIONS if f.dialect.name in rank and f.phase == phase]
+    return sorted(chosen, key=lambda f: (-f.priority, rank[f.dialect.name]))
 
 
 def _add(impl: Impl) -> Impl:
@@ -135,3 +185,4 @@ def _ensure_loaded() -> None:
         _loaded = True
         from kiln.dialects import aten, sdpa  # noqa: F401  (register)
         from kiln.dialects import kiln_kernels  # noqa: F401  (kiln.kernels custom ops)
+        from kiln.dialects import upcast  # noqa: F401  (low precision on CPUs without it)

@@ -88,9 +88,14 @@ class CompiledStep:
         self.amp = AmpPolicy.make(amp, amp_overrides) if amp is not None else None
         on_cpu = all(p.device.type == "cpu" for p in self.params.values())
         if self.amp is not None and on_cpu and cpu_has_native(self.amp.dtype) is False:
-            log.warning("kiln: amp=%r on a CPU without native %s matrix multiply (torch CPU capability %s): "
-                        "oneDNN emulates it, so this will be slower than fp32", amp,
-                        str(self.amp.dtype).replace("torch.", ""), torch.backends.cpu.get_cpu_capability())
+            low = str(self.amp.dtype).replace("torch.", "")
+            if "upcast" in (self.dialects or dialect_registry.enabled()):
+                log.info("kiln: amp=%r on a CPU without native %s matrix multiply: the upcast dialect runs "
+                         "matmul, conv and attention on fp32 copies", amp, low)
+            else:
+                log.warning("kiln: amp=%r on a CPU without native %s matrix multiply (torch CPU capability %s) "
+                            "and the upcast dialect disabled: ATen emulates it, much slower than fp32",
+                            amp, low, torch.backends.cpu.get_cpu_capability())
         self.state: dict[str, dict[str, torch.Tensor]] = {n: optimizer.init_state(p) for n, p in self.params.items()}
         if self.amp is not None and self.amp.dtype == torch.float16:
             self.state[AMP_STATE] = {"scale": torch.tensor(float(init_loss_scale)),

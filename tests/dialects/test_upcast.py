@@ -1,0 +1,112 @@
+"""The `upcast` dialect: low-precision matmul/conv/attention on fp32 copies, checked against ATen's
+native low-precision kernels (same output dtypes, values within one rounding of the result)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kiln
+from kiln.dialects import upcast
+
+aten = torch.ops.aten
+
+
+def _r(*shape, dtype):
+    return torch.randn(*shape, dtype=torch.float32).to(dtype)
+
+
+def _cases(dtype):
+    x, w, b = _r(16, 32, dtype=dtype), _r(24, 32, dtype=dtype), _r(24, dtype=dtype)
+    q, k, v = (_r(2, 3, 16, 8, dtype=dtype) for _ in range(3))
+    img, ker = _r(2, 3, 10, 10, dtype=dtype), _r(4, 3, 3, 3, dtype=dtype)
+    conv = (img, ker, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, True)
+    return {
+        "mm": (aten.mm.default, (x, w.t())),
+        "addmm": (aten.addmm.default, (b, x, w.t())),
+        "bmm": (aten.bmm.default, (_r(4, 8, 16, dtype=dtype), _r(4, 16, 8, dtype=dtype))),
+        "baddbmm": (aten.baddbmm.default, (_r(4, 8, 8, dtype=dtype), _r(4, 8, 16, dtype=dtype),
+                                           _r(4, 16, 8, dtype=dtype))),
+        "linear": (aten.linear.default, (x, w, b)),
+        "convolution": (aten.convolution.default, conv),
+        "convolution_backward": (aten.convolution_backward.default,
+                                 (_r(2, 4, 10, 10, dtype=dtype), img, ker, [4], [1, 1], [1, 1], [1, 1], False,
+                                  [0, 0], 1, [True, True, True])),
+        "flash": (aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v, 0.0, True)),
+        "flash_backward": (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                           (torch.ones_like(out), q, k, v, out, lse, 0.0, True)),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(_cases(torch.float32)))
+def test_kernel_matches_native_low_precision_op(case, dtype):
+    torch.manual_seed(0)
+    op, args = _cases(dtype)[case]
+    if case == "flash_backward" and dtype == torch.float16:
+        pytest.skip("ATen has no fp16 flash-attention backward on CPU")
+    want = op(*args)
+    got = upcast.upcast_kernel(op)(*args)
+    want, got = (list(o) if isinstance(o, (tuple, list)) else [o] for o in (want, got))
+    assert len(got) == len(want)
+    eps = torch.finfo(dtype).eps
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        scale = w.float().abs().max().clamp_min(1.0)
+        # native kernels also accumulate in fp32; what may differ is summation order and, in the fused
+        # attention kernels, where intermediate probabilities are rounded: a few units of the last place
+        torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=float(8 * eps * scale))
+
+
+def test_flash_log_sum_exp_stays_fp32():
+    q = _r(1, 2, 8, 4, dtype=torch.bfloat16)
+    out, lse = upcast.upcast_kernel(aten._scaled_dot_product_flash_attention_for_cpu.default)(q, q, q, 0.0, False)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def _compile(model, lacks_native, monkeypatch, **kw):
+    monkeypatch.setattr(upcast, "_lacks_native", lambda dtype: lacks_native)
+    return kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-2), **kw)
+
+
+@pytest.mark.parametrize("lacks_native", [True, False])
+def test_chosen_only_for_low_precision_on_cpus_without_native_matmul(lacks_native, monkeypatch):
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(8, 32), torch.randint(0, 10, (8,))
+    ref = copy.deepcopy(model)
+    step = _compile(model, lacks_native, monkeypatch, amp="bf16")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(5):
+        got = step(x, y)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = ref(x, y)
+        want.backward()
+        opt.step()
+    assert ("upcast_" in step.source()) is lacks_native
+    assert abs(got.item() - want.item()) <= 0.02 * abs(want.item())
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=0.05, atol=2e-3)
+
+
+def test_never_chosen_for_fp32_or_when_disabled(monkeypatch):
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    fp32 = _compile(MLP(), True, monkeypatch)
+    fp32(x, y)
+    assert "upcast_" not in fp32.source()
+    with kiln.dialects("sdpa", "kiln"):
+        off = _compile(MLP(), True, monkeypatch, amp="bf16")
+        off(x, y)
+    assert "upcast_" not in off.source()
