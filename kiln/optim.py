@@ -43,6 +43,16 @@ def adamw_update_fused(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2,
                         beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
+def adamw_update_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
+                       found_inf=None):
+    """The AdamW step of many parameters (same dtype and device) in one multi-tensor kernel."""
+    if found_inf is not None and found_inf.item():
+        return
+    torch._foreach_add_(steps, 1)
+    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+
+
 def sgd_update(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay,
                found_inf=None):
     if found_inf is not None and found_inf.item():
@@ -72,6 +82,10 @@ ADAMW = register(OpDef("kiln.adamw_update", (adamw_update,), None, Kind.OPTIMIZE
                        differentiable=False, side_effects=True, infer=_no_outputs,
                        cost=lambda n: 10.0 * n.args[0].meta.numel,
                        doc="in-place AdamW step of one parameter and its state"))
+ADAMW_MULTI = register(OpDef("kiln.adamw_update_multi", (adamw_update_multi,), None, Kind.OPTIMIZER, Cast.FP32,
+                             differentiable=False, side_effects=True, infer=_no_outputs,
+                             cost=lambda n: 10.0 * sum(p.meta.numel for p in n.args[0]),
+                             doc="in-place AdamW step of a list of parameters (one multi-tensor kernel)"))
 SGD_OP = register(OpDef("kiln.sgd_update", (sgd_update,), None, Kind.OPTIMIZER, Cast.FP32,
                         differentiable=False, side_effects=True, infer=_no_outputs,
                         cost=lambda n: 4.0 * n.args[0].meta.numel,

@@ -88,3 +88,35 @@ def _register_optimizer_kernels() -> None:
 
 
 _register_optimizer_kernels()
+
+
+# ---- fusion: the AdamW updates of all parameters -> one multi-tensor fused kernel ---------------
+def _register_optimizer_fusion() -> None:
+    from kiln import optim
+    from kiln.dialects.registry import fusion, kernel
+    from kiln.ir.pattern import Op, V
+
+    tensors = ("param", "grad", "exp_avg", "exp_avg_sq", "step")
+    hyper = ("lr", "beta1", "beta2", "eps", "weight_decay", "found_inf")
+    pattern = Op(optim.adamw_update, *(V(s) for s in tensors + hyper))
+
+    def key(m):
+        """Updates fuse when the multi-tensor kernel takes them and they share every hyper-parameter
+        (lr and found_inf are graph values: the same value)."""
+        if not _fused_adamw_ok(m.root):
+            return None
+        p = m["param"].meta
+        return (p.dtype, p.device) + tuple(getattr(m[h], "uid", m[h]) for h in hyper)
+
+    def build(b, matches):
+        b.scope = "optimizer"
+        lists = [[m[s] for m in matches] for s in tensors]
+        b.emit(optim.ADAMW_MULTI, (*lists, *(matches[0][h] for h in hyper)), {}, metas=[])
+        return [[] for _ in matches]
+
+    fusion(ATEN, "adamw_multi_tensor", pattern, build, phase="training", group_by=key, min_group=2,
+           doc="per-parameter AdamW updates with equal hyper-parameters -> one _fused_adamw_ over lists")
+    kernel(ATEN, optim.adamw_update_multi, optim.adamw_update_multi, name="fused")
+
+
+_register_optimizer_fusion()

@@ -16,3 +16,133 @@ KILN = dialect("kiln", priority=5, devices=("cpu", "cuda"),
 
 for _name, _op in OPS.items():
     kernel(KILN, _op, _op, name=_name)
+
+
+# ---- fusions: unfused subgraphs -> kiln kernels (the `fuse` pass) ------------------------------
+import torch  # noqa: E402
+
+from kiln.dialects.registry import fusion  # noqa: E402
+from kiln.ir.graph import Value  # noqa: E402
+from kiln.ir.pattern import Lit, Op, Opt, Seq, V  # noqa: E402
+from kiln.ops.common import reshape, shape  # noqa: E402
+
+aten, kiln_ops = torch.ops.aten, torch.ops.kiln
+CAST = aten._to_copy.default
+MUL = aten.mul.Tensor
+
+
+def T(name: str) -> V:
+    """A tensor argument (a graph Value, not a Python number), bound to name."""
+    return V(name, where=lambda x: isinstance(x, Value))
+
+
+def _last_dim(dims, v) -> bool:
+    return isinstance(dims, (list, tuple)) and len(dims) == 1 and dims[0] in (-1, len(shape(v)) - 1)
+
+
+def _is_cast(x, dtype=None) -> bool:
+    n = getattr(x, "producer", None)
+    return n is not None and n.target is CAST and set(n.kwargs) <= {"dtype"} and \
+        (dtype is None or n.kwargs.get("dtype") == dtype)
+
+
+# RMSNorm written out (Hugging Face's LlamaRMSNorm and its copies):
+#   xf = x.to(fp32); xf * rsqrt(mean(xf**2, -1, keepdim) + eps) -> .to(x.dtype) -> weight * (...)
+RMS_NORM = Op(MUL, T("w"), Opt(CAST, Op(MUL, V("xf"), Op(aten.rsqrt.default, Op(
+    aten.add.Tensor, Op(aten.mean.dim, Op(aten.pow.Tensor_Scalar, Opt(CAST, T("x"), name="xf"), Lit(2)),
+                        V("dims"), Lit(True)), V("eps", where=lambda e: isinstance(e, float)), Lit(1))),
+    commutative=True), name="normed"), commutative=True)
+
+
+def build_rms_norm(b, matches):
+    (m,) = matches
+    x, w, normed = m["x"], m["w"], m["normed"]
+    if not (_last_dim(m["dims"], m["xf"]) and shape(w) == shape(x)[-1:] and w.is_float):
+        return None
+    if m["xf"] is not x and not _is_cast(m["xf"], torch.float32):
+        return None            # statistics in a dtype other than fp32: not the kernel's numerics
+    if normed.producer.target is CAST and normed.meta.dtype != x.meta.dtype:
+        return None            # the normalized value is cast to a third dtype
+    out, _rstd = b(kiln_ops.rms_norm.default, x, w, m["eps"])
+    return [out] if out.meta.dtype == m.root.outputs[0].meta.dtype else None
+
+
+fusion(KILN, "rms_norm", RMS_NORM, build_rms_norm, priority=10,
+       doc="x * rsqrt(mean(x^2) + eps) * w written out -> kiln.rms_norm (one pass, fp32 statistics)")
+
+
+# SwiGLU gating: silu(gate) * up, same shapes (Llama/Mistral/Qwen MLPs)
+SWIGLU = Op(MUL, Op(aten.silu.default, T("gate")), T("up"), commutative=True)
+
+
+def build_swiglu(b, matches):
+    (m,) = matches
+    gate, up = m["gate"], m["up"]
+    if shape(gate) != shape(up) or gate.meta.dtype != up.meta.dtype:
+        return None            # broadcasting or mixed dtypes: the kernel takes neither
+    return [b(kiln_ops.swiglu.default, gate, up)]
+
+
+fusion(KILN, "swiglu", SWIGLU, build_swiglu, priority=5,
+       doc="silu(gate) * up -> kiln.swiglu (silu(gate) recomputed in the backward, not stored)")
+
+
+# Rotary embedding, Llama's rotate_half convention: t * cos + cat(-t[..., h:], t[..., :h]) * sin.
+# Queries and keys rotated by the same tables are paired into one kiln.rope call.
+ROPE = Op(aten.add.Tensor, Op(MUL, T("t"), T("cos"), commutative=True), Op(MUL, Op(aten.cat.default, Seq(
+    Op(aten.neg.default, Op(aten.slice.Tensor, T("t"), V("d1"), V("h1"), V("end"), Lit(1))),
+    Op(aten.slice.Tensor, T("t"), V("d0"), Lit(0), V("h0"), Lit(1))), V("dcat")), T("sin"), commutative=True),
+    Lit(1), commutative=True)
+
+
+def _rope_ok(m) -> bool:
+    t = m["t"]
+    last, half = len(shape(t)) - 1, shape(t)[-1] // 2
+    dims_ok = all(m[d] in (-1, last) for d in ("d0", "d1", "dcat"))
+    return dims_ok and shape(t)[-1] % 2 == 0 and m["h0"] == half and m["h1"] == half and m["end"] >= 2 * half
+
+
+def build_rope(b, matches):
+    q, k = matches
+    if not (_rope_ok(q) and _rope_ok(k)):
+        return None
+    qr, kr = b(kiln_ops.rope.default, q["t"], k["t"], q["cos"], q["sin"])
+    if qr.meta.dtype != q.root.outputs[0].meta.dtype or kr.meta.dtype != k.root.outputs[0].meta.dtype:
+        return None
+    return [qr], [kr]
+
+
+fusion(KILN, "rope", ROPE, build_rope, priority=5, group_by=lambda m: (m["cos"].uid, m["sin"].uid),
+       group_size=2, min_group=2,
+       doc="q*cos + rotate_half(q)*sin and the same for k -> one kiln.rope (paired by their cos/sin)")
+
+
+# The vocabulary projection and its cross-entropy: logits never materialized. It trades one more
+# matmul in the backward for the (tokens x vocab) logits, so it is used where those are large.
+LOGITS_BYTES_TO_FUSE = 128 * 2 ** 20
+REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+VIEW = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+LINEAR_CE = Op(aten.nll_loss_forward.default, Op(aten._log_softmax.default, Opt(VIEW, Opt(CAST, Op(
+    aten.linear.default, T("h"), T("w"), Lit(None), name="logits"))), Lit(lambda d: d in (1, -1)), Lit(False)),
+    Opt(VIEW, T("labels")), Lit(None), V("reduction"), V("ignore_index"))
+
+
+def build_linear_cross_entropy(b, matches):
+    (m,) = matches
+    h, w, logits, labels = m["h"], m["w"], m["logits"], m["labels"]
+    tokens = logits.meta.numel // shape(w)[0]
+    if m["reduction"] not in REDUCTIONS or m["reduction"] == 0 or len(shape(w)) != 2:
+        return None
+    if tokens * shape(w)[0] * 4 < LOGITS_BYTES_TO_FUSE or labels.meta.numel != tokens:
+        return None
+    hidden = reshape(b, h, [tokens, shape(h)[-1]])
+    loss, _lse = b(kiln_ops.linear_cross_entropy.default, hidden, w, reshape(b, labels, [tokens]),
+                   m["ignore_index"], REDUCTIONS[m["reduction"]], 0)
+    if loss.meta.dtype != m.root.outputs[0].meta.dtype:
+        loss = b(CAST, loss, dtype=m.root.outputs[0].meta.dtype)
+    return [(loss, None)]
+
+
+fusion(KILN, "linear_cross_entropy", LINEAR_CE, build_linear_cross_entropy, priority=10,
+       doc=f"lm_head + cross-entropy -> chunked kiln.linear_cross_entropy when the logits would take "
+           f">= {LOGITS_BYTES_TO_FUSE >> 20} MiB")

@@ -136,6 +136,17 @@ def depends_on(v: Value, roles: set) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Fused:
+    """What a fused node replaced: the fusion ("dialect:name") and the ops it covered, in order."""
+
+    fusion: str
+    ops: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.fusion} [{', '.join(self.ops)}]"
+
+
 @dataclass(eq=False)
 class Node:
     """One op application. `args`/`kwargs` hold Values and Python constants (nested lists allowed)."""
@@ -148,6 +159,7 @@ class Node:
     phase: Phase
     scope: str = ""                  # module path it came from, e.g. "model.layers.0.self_attn"
     impl: "Impl | None" = None       # chosen by the dispatch pass
+    fused: "Fused | None" = None     # set by the fuse pass on the op(s) that replaced a subgraph
     uid: int = field(default_factory=lambda: next(_ids))
 
     @property

@@ -23,6 +23,7 @@ from kiln.passes.canonicalize import canonicalize, lower_dialects
 from kiln.passes.cse import common_subexpression_elimination
 from kiln.passes.dce import dead_code_elimination
 from kiln.passes.dispatch import dispatch
+from kiln.passes.fuse import fuse
 from kiln.passes.noops import remove_noops
 from kiln.passes.verify import verify
 
@@ -90,12 +91,14 @@ PIPELINE: list[Pass] = [
     ("remove_noops", lambda c: remove_noops(c.graph)),
     ("cse", lambda c: common_subexpression_elimination(c.graph)),
     ("dce", lambda c: dead_code_elimination(c.graph)),
+    ("fuse", lambda c: fuse(c.graph, c.dialects, "forward")),     # dialect fusion patterns -> fused ops
     ("amp", lambda c: autocast(c.graph, c.amp) if c.amp else 0),   # casts per op cast class (bf16/fp16)
     # the training graph: forward + backward + update
     ("autodiff+optimizer", add_backward_and_update),
     ("remove_noops", lambda c: remove_noops(c.graph)),
     ("cse", lambda c: common_subexpression_elimination(c.graph)),
     ("dce", lambda c: dead_code_elimination(c.graph)),
+    ("fuse", lambda c: fuse(c.graph, c.dialects, "training")),    # e.g. all AdamW updates -> one kernel
     ("dispatch", lambda c: dispatch(c.graph, c.dialects)),       # each node -> a dialect's kernel
 ]
 

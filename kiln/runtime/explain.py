@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import sys
 
 import torch
@@ -20,6 +21,13 @@ def compute_dtype(n) -> str:
     return str(widest).replace("torch.", "")
 
 
+def _short(ops: tuple[str, ...]) -> str:
+    """aten.mul.Tensor -> mul; runs of one op are counted: [adamw_update x21]."""
+    names = [o.split(".")[1] if "." in o else o for o in ops]
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(names)]
+    return "[" + " ".join(k if c == 1 else f"{k} x{c}" for k, c in runs) + "]"
+
+
 def explain(step, file=None) -> str:
     if not hasattr(step, "_program"):
         raise KilnError("kiln.explain expects the object returned by kiln.compile")
@@ -31,7 +39,8 @@ def explain(step, file=None) -> str:
         dialect = n.impl.label if n.impl is not None else "-"
         if n.op.name.startswith("kiln.fallback"):
             dialect += " (FALLBACK: torch.func.vjp)"
-        rows.append((str(i), n.phase.value, n.op.name, dialect, compute_dtype(n), out, n.scope))
+        op = n.op.name if n.fused is None else f"{n.op.name} <- {_short(n.fused.ops)}"
+        rows.append((str(i), n.phase.value, op, dialect, compute_dtype(n), out, n.scope))
     head = ("#", "phase", "op", "dialect", "compute", "output", "module")
     widths = [max(len(r[c]) for r in rows + [head]) for c in range(len(head))]
     widths[-1] = 0
@@ -48,6 +57,11 @@ def explain(step, file=None) -> str:
     lines.append(f"casts: {len(casts)} (forward {sum(n.phase.value == 'forward' for n in casts)}, "
                  f"backward {sum(n.phase.value == 'backward' for n in casts)})" +
                  (f"; amp {step.amp.dtype}".replace("torch.", "") if getattr(step, "amp", None) else ""))
+    records = {id(n.fused): n.fused for n in g.nodes if n.fused is not None}   # one per fused subgraph
+    if records:
+        fused = collections.Counter(r.fusion for r in records.values())
+        lines.append("fused: " + ", ".join(f"{k} x{v}" for k, v in sorted(fused.items())) +
+                     f" ({sum(len(r.ops) for r in records.values())} ops replaced)")
     lines.append(f"compiled in {prog.compile_seconds:.2f}s; passes: " +
                  ", ".join(f"{name} {sec * 1000:.0f}ms" for name, sec, _ in prog.timings))
     if fallbacks:

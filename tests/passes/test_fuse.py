@@ -1,0 +1,243 @@
+"""Pattern-based dialect fusion: the pattern language, what is fused and what must not be, and the
+numerics of fused graphs against the unfused ops run by PyTorch."""
+from __future__ import annotations
+
+import copy
+import io
+import logging
+
+import pytest
+import torch
+
+import kiln
+from kiln.dialects import registry
+from kiln.ir.pattern import Lit, Op, Opt, Seq, V, match
+from kiln.passes.fuse import fuse
+from tests.passes.graphs import aten, count, graph_with_inputs, run
+
+kiln_ops = torch.ops.kiln
+ALL = ("kiln", "sdpa", "aten")
+
+
+def _root(g):
+    return g.outputs[0].producer
+
+
+# ---- the pattern language --------------------------------------------------------------------
+def test_a_variable_used_twice_binds_the_same_value():
+    x, y = torch.randn(3), torch.randn(3)
+    g, b, (xv, yv) = graph_with_inputs(x, y)
+    square, cross = b(aten.mul.Tensor, xv, xv), b(aten.mul.Tensor, xv, yv)
+    pat = Op(aten.mul.Tensor, V("a"), V("a"))
+    assert match(pat, square.producer)["a"] is xv
+    assert match(pat, cross.producer) is None
+
+
+def test_commutative_tries_both_orders_and_literals_compare_by_value():
+    x = torch.randn(3)
+    g, b, (xv,) = graph_with_inputs(x)
+    v = b(aten.mul.Tensor, b(aten.add.Tensor, xv, 1.0), b(aten.silu.default, xv))
+    silu_times = Op(aten.mul.Tensor, Op(aten.silu.default, V("g")), V("u"))
+    assert match(silu_times, v.producer) is None
+    m = match(Op(aten.mul.Tensor, Op(aten.silu.default, V("g")), V("u"), commutative=True), v.producer)
+    assert m["g"] is xv and m["u"].producer.target is aten.add.Tensor
+    assert len(m.nodes) == 2 and m.root is v.producer                 # the add is an argument, not covered
+    plus_one = Op(aten.add.Tensor, V("x"), Lit(1))
+    assert match(plus_one, m["u"].producer) is not None
+    assert match(Op(aten.add.Tensor, V("x"), Lit(2)), m["u"].producer) is None
+    # the omitted alpha argument compares against the schema default (1)
+    assert match(Op(aten.add.Tensor, V("x"), Lit(1.0), Lit(1)), m["u"].producer) is not None
+    assert match(Op(aten.add.Tensor, V("x"), Lit(1.0), Lit(2)), m["u"].producer) is None
+
+
+def test_optional_wrapper_and_list_arguments():
+    x = torch.randn(4, 6)
+    g, b, (xv,) = graph_with_inputs(x)
+    halves = [b(aten.slice.Tensor, xv, -1, 3, 6), b(aten.slice.Tensor, xv, -1, 0, 3)]
+    cat = b(aten.cat.default, halves, -1)
+    cast = b(aten._to_copy.default, cat, dtype=torch.float64)
+    pat = Opt(aten._to_copy.default, Op(aten.cat.default, Seq(V("p"), V("q")), Lit(-1)), name="out")
+    wrapped = Op(aten.neg.default, pat)            # Opt is never a root: match it as an argument
+    for v, covered in ((cat, 2), (cast, 3)):       # neg + cat (+ the optional cast)
+        got = match(wrapped, b(aten.neg.default, v).producer)
+        assert got is not None and got["out"] is v and got["p"] is halves[0] and len(got.nodes) == covered
+    assert match(Op(aten.cat.default, Seq(V("p")), Lit(-1)), cat.producer) is None   # wrong length
+
+
+# ---- the fuse pass on small graphs -----------------------------------------------------------
+def rms_graph(x, w, extra_use=None):
+    g, b, (xv, wv) = graph_with_inputs(x, w)
+    var = b(aten.mean.dim, b(aten.pow.Tensor_Scalar, xv, 2), [-1], True)
+    rstd = b(aten.rsqrt.default, b(aten.add.Tensor, var, 1e-6))
+    out = b(aten.mul.Tensor, wv, b(aten.mul.Tensor, xv, rstd))
+    g.outputs = [out]
+    if extra_use == "rstd":                 # a reduction result needed elsewhere too
+        g.outputs = [b(aten.add.Tensor, out, rstd)]
+    return g
+
+
+def rms_ref(x, w):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_rms_norm_subgraph_becomes_one_kernel_with_the_same_values():
+    x, w = torch.randn(4, 5, 16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    g = rms_graph(x, w)
+    assert fuse(g, ALL, "forward") == 1
+    assert [n.target for n in g.nodes] == [kiln_ops.rms_norm.default]
+    fused = g.nodes[0].fused
+    assert fused.fusion == "kiln:rms_norm" and list(fused.ops) == [
+        "aten.pow.Tensor_Scalar", "aten.mean", "aten.add.Tensor", "aten.rsqrt", "aten.mul.Tensor", "aten.mul.Tensor"]
+    torch.testing.assert_close(run(g, x, w), rms_ref(x, w), rtol=1e-12, atol=1e-12)
+
+
+def test_not_fused_when_an_inner_value_is_used_elsewhere():
+    x, w = torch.randn(4, 16), torch.randn(16)
+    g = rms_graph(x, w, extra_use="rstd")
+    before = [n.target for n in g.nodes]
+    assert fuse(g, ALL, "forward") == 0
+    assert [n.target for n in g.nodes] == before
+    torch.testing.assert_close(run(g, x, w), rms_ref(x, w) + torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_not_fused_when_the_dialect_is_disabled():
+    x, w = torch.randn(4, 16), torch.randn(16)
+    g = rms_graph(x, w)
+    assert fuse(g, ("sdpa", "aten"), "forward") == 0 and count(g, kiln_ops.rms_norm.default) == 0
+
+
+def test_rms_norm_statistics_over_another_dim_are_not_fused():
+    x, w = torch.randn(4, 16), torch.randn(16)
+    g, b, (xv, wv) = graph_with_inputs(x, w)
+    var = b(aten.mean.dim, b(aten.pow.Tensor_Scalar, xv, 2), [0], True)
+    g.outputs = [b(aten.mul.Tensor, wv, b(aten.mul.Tensor, xv, b(aten.rsqrt.default, b(aten.add.Tensor, var, 1e-6))))]
+    assert fuse(g, ALL, "forward") == 0
+
+
+def test_swiglu_fused_only_without_broadcasting():
+    gate, up, row = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    g, b, (gv, uv, rv) = graph_with_inputs(gate, up, row)
+    same = b(aten.mul.Tensor, uv, b(aten.silu.default, gv))
+    bcast = b(aten.mul.Tensor, b(aten.silu.default, gv), rv)
+    g.outputs = [b(aten.add.Tensor, same, b(aten.sum.dim_IntList, bcast, [0]))]
+    assert fuse(g, ALL, "forward") == 1 and count(g, kiln_ops.swiglu.default) == 1
+    torch.testing.assert_close(run(g, gate, up, row), torch.nn.functional.silu(gate) * up +
+                               (torch.nn.functional.silu(gate) * row).sum(0))
+
+
+def rotate(b, t, cos, sin):
+    h = t.meta.shape[-1] // 2
+    rot = b(aten.cat.default, [b(aten.neg.default, b(aten.slice.Tensor, t, 3, h, 2 ** 63 - 1)),
+                               b(aten.slice.Tensor, t, 3, 0, h)], -1)
+    return b(aten.add.Tensor, b(aten.mul.Tensor, t, cos), b(aten.mul.Tensor, rot, sin))
+
+
+def rope_ref(t, cos, sin):
+    h = t.shape[-1] // 2
+    return t * cos + torch.cat([-t[..., h:], t[..., :h]], -1) * sin
+
+
+def test_rope_pairs_queries_and_keys_that_share_tables():
+    q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)
+    cos, sin = torch.randn(2, 1, 6, 8), torch.randn(2, 1, 6, 8)
+    g, b, (qv, kv, cv, sv) = graph_with_inputs(q, k, cos, sin)
+    qr, kr = rotate(b, qv, cv, sv), rotate(b, kv, cv, sv)
+    g.outputs = [b(aten.add.Tensor, b(aten.sum.default, qr), b(aten.sum.default, kr))]
+    assert fuse(g, ALL, "forward") == 2
+    assert count(g, kiln_ops.rope.default) == 1 and count(g, aten.cat.default) == 0
+    torch.testing.assert_close(run(g, q, k, cos, sin), rope_ref(q, cos, sin).sum() + rope_ref(k, cos, sin).sum())
+
+
+def test_a_lone_rotation_is_left_alone():
+    q, cos, sin = torch.randn(2, 4, 6, 8), torch.randn(2, 1, 6, 8), torch.randn(2, 1, 6, 8)
+    g, b, (qv, cv, sv) = graph_with_inputs(q, cos, sin)
+    g.outputs = [rotate(b, qv, cv, sv)]
+    assert fuse(g, ALL, "forward") == 0 and count(g, aten.cat.default) == 1
+
+
+def test_random_and_side_effect_ops_are_never_inside_a_fusion():
+    x = torch.randn(4, 8)
+    g, b, (xv,) = graph_with_inputs(x)
+    dropped = b(aten.native_dropout.default, xv, 0.5, True)[0]
+    g.outputs = [b(aten.mul.Tensor, b(aten.silu.default, dropped), dropped)]
+    d = registry.dialect("test_random", priority=1, devices=("cpu",))
+    f = registry.fusion(d, "dropout_silu", Op(aten.mul.Tensor, Op(aten.silu.default, Op(
+        aten.native_dropout.default, V("x"), V("p"), V("t"))), V("y")), lambda b, ms: pytest.fail("built"))
+    try:
+        assert fuse(g, ("test_random", "aten"), "forward") == 0
+    finally:
+        registry._FUSIONS.remove(f)
+        del registry.DIALECTS["test_random"]
+
+
+def test_a_failing_fusion_logs_a_warning_and_keeps_the_graph(caplog):
+    x, w = torch.randn(4, 16), torch.randn(16)
+    g = rms_graph(x, w)
+    d = registry.dialect("test_broken", priority=1, devices=("cpu",))
+
+    def broken(b, matches):
+        raise RuntimeError("no kernel today")
+    f = registry.fusion(d, "rms", registry.fusions(("kiln",), "forward")[0].pattern, broken, priority=100)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kiln"):
+            assert fuse(g, ("test_broken", "aten"), "forward") == 0
+    finally:
+        registry._FUSIONS.remove(f)
+        del registry.DIALECTS["test_broken"]
+    assert "fusion test_broken:rms failed" in caplog.text and "no kernel today" in caplog.text
+    torch.testing.assert_close(run(g, x, w), rms_ref(x, w))
+
+
+# ---- whole models: fused where expected, trained like eager PyTorch --------------------------
+def _llama(vocab=128):
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=16)
+    cfg._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(cfg), torch.randint(0, vocab, (2, 12))
+
+
+def _train_both(model, ids, steps=3, **compile_kw):
+    ref = copy.deepcopy(model)
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), **compile_kw)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for _ in range(steps):
+        got = step(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5, msg=name)
+    return step
+
+
+def test_llama_fuses_norms_rope_and_swiglu_and_trains_like_eager():
+    model, ids = _llama()
+    step = _train_both(model, ids)
+    fused = [n.fused.fusion for n in step.graph.nodes if n.fused is not None]
+    assert fused.count("kiln:rms_norm") == 5 and fused.count("kiln:rope") == 2 and fused.count("kiln:swiglu") == 2
+    assert "fused: aten:adamw_multi_tensor x1, kiln:rms_norm x5, kiln:rope x2, kiln:swiglu x2" in \
+        step.explain(file=io.StringIO())
+    # the optimizer: every parameter's AdamW update in one multi-tensor kernel, still the last node
+    updates = [n for n in step.graph.nodes if n.phase.value == "optimizer"]
+    assert [n.op.name for n in updates] == ["kiln.adamw_update_multi"] and updates[0] is step.graph.nodes[-1]
+    assert len(updates[0].args[0]) == len(list(model.parameters()))
+
+
+def test_large_vocabulary_fuses_the_loss(monkeypatch):
+    from kiln.dialects import kiln_kernels
+    monkeypatch.setattr(kiln_kernels, "LOGITS_BYTES_TO_FUSE", 0)     # tiny model, same code path
+    model, ids = _llama()
+    step = _train_both(model, ids)
+    assert sum(n.target is kiln_ops.linear_cross_entropy.default for n in step.graph.nodes) == 1
+    assert sum(n.target is aten._log_softmax.default for n in step.graph.nodes) == 0
+
+
+def test_small_vocabulary_keeps_the_logits():
+    model, ids = _llama()
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3))
+    step(input_ids=ids, labels=ids)
+    assert not any(n.target is kiln_ops.linear_cross_entropy.default for n in step.graph.nodes)
