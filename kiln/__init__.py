@@ -15,7 +15,7 @@ from kiln.dialects.registry import dialects
 from kiln.errors import CaptureError, InputError, KilnError, UnsupportedError
 from kiln.runtime.step import CompiledStep
 
-__all__ = ["compile", "explain", "dialects", "optim", "CompiledStep", "KilnError", "CaptureError",
+__all__ = ["compile", "explain", "dialects", "optim", "adopt", "CompiledStep", "KilnError", "CaptureError",
            "UnsupportedError", "InputError"]
 __version__ = "0.1.0"
 
@@ -49,3 +49,11 @@ def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Call
 def explain(step: CompiledStep, file=None) -> str:
     """Print (and return) a table of every op of the step's latest program: phase, dialect, output."""
     return step.explain(file=file)
+
+
+def __getattr__(name: str):
+    # `kiln.adopt` (the source rewriter) loads libcst and lark: imported on first use, not with kiln
+    if name == "adopt":
+        import importlib
+        return importlib.import_module("kiln.adopt")
+    raise AttributeError(f"module 'kiln' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Kiln: compile a PyTorch model's whole training step. Commands: demo, explain, bench."""
+"""Kiln: compile a PyTorch model's whole training step. Commands: demo, explain, bench, adopt."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_cli = None
     if bench_cli is not None:
         bench_cli.register(sub)
+    from kiln.adopt import cli as adopt_cli
+    adopt_cli.register(sub)
 
     args = parser.parse_args(argv)
     if args.command is None:

@@ -36,26 +36,28 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
 
 
 def measure(dtype: str, target_s: float = 0.05, max_n: int = 4096, reps: int = 5) -> dict:
-    """Peak matmul FLOP/s for ``dtype`` ("fp32" or "bf16") and how it was measured."""
+    """Peak matmul FLOP/s for ``dtype`` ("fp32" or "bf16") and how it was measured. Each way of
+    multiplying gets its own size: the fast ones need big matrices to show their rate, the slow
+    (emulated) ones would take seconds there."""
     torch_dtype = DTYPES[dtype]
-    gen = torch.Generator().manual_seed(0)
-    n = 256
-    while True:
-        a = torch.randn(n, n, generator=gen).to(torch_dtype)
-        b = torch.randn(n, n, generator=gen).to(torch_dtype)
-        single = _median_time(lambda: torch.mm(a, b), reps=1)
-        if single >= target_s or n >= max_n:
-            break
-        n *= 2
-    rates = {}
-    candidates = [("mm", lambda: torch.mm(a, b)), ("linear", lambda: F.linear(a, b))]
+    candidates = {"mm": torch.mm, "linear": lambda a, b: F.linear(a, b)}
     if torch_dtype != torch.float32:
-        candidates.append(("upcast", lambda: torch.mm(a.float(), b.float()).to(torch_dtype)))
-    for op, fn in candidates:
-        rates[op] = 2 * n ** 3 / _median_time(fn, reps)
+        candidates["upcast"] = lambda a, b: torch.mm(a.float(), b.float()).to(torch_dtype)
+    rates, sizes = {}, {}
+    for op, fn in candidates.items():
+        gen = torch.Generator().manual_seed(0)
+        n = 256
+        while True:
+            a = torch.randn(n, n, generator=gen).to(torch_dtype)
+            b = torch.randn(n, n, generator=gen).to(torch_dtype)
+            single = _median_time(lambda: fn(a, b), reps=1)
+            if single >= target_s or n >= max_n:
+                break
+            n *= 2
+        rates[op], sizes[op] = 2 * n ** 3 / _median_time(lambda: fn(a, b), reps), n
     best = max(rates, key=rates.get)
-    return {"flops_per_s": rates[best], "op": best, "n": n, "rates": rates, "reps": reps,
-            "threads": torch.get_num_threads()}
+    return {"flops_per_s": rates[best], "op": best, "n": sizes[best], "rates": rates, "sizes": sizes,
+            "reps": reps, "threads": torch.get_num_threads()}
 
 
 def measure_all(dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict:

@@ -120,3 +120,60 @@ def _register_optimizer_fusion() -> None:
 
 
 _register_optimizer_fusion()
+
+
+# ---- fusion: GELU's tanh approximation written out -> ATen's fused gelu(approximate="tanh") ----
+def _register_gelu_fusion() -> None:
+    from kiln.dialects.registry import fusion
+    from kiln.ir.graph import Value
+    from kiln.ir.pattern import Lit, Op, V
+
+    def near(c):
+        return Lit(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v - c) < 1e-6 * max(1, c))
+
+    x = V("x", where=lambda v: isinstance(v, Value) and v.is_float)
+    mul, add = aten.mul.Tensor, aten.add.Tensor
+    cubic = Op(add, x, Op(mul, Op(aten.pow.Tensor_Scalar, x, near(3.0)), near(0.044715), commutative=True),
+               commutative=True)
+    inner = Op(aten.tanh.default, Op(mul, cubic, near(math.sqrt(2 / math.pi)), commutative=True))
+    # 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))   (GPT-2's gelu_new, NewGELUActivation)
+    pattern = Op(mul, Op(mul, x, near(0.5), commutative=True), Op(add, inner, near(1.0), commutative=True),
+                 commutative=True)
+
+    def build(b, matches):
+        (m,) = matches
+        out = b(aten.gelu.default, m["x"], approximate="tanh")
+        return [out] if out.meta.dtype == m.root.outputs[0].meta.dtype else None
+
+    fusion(ATEN, "gelu_tanh", pattern, build, priority=5,
+           doc="0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))) written out -> aten.gelu(approximate='tanh')")
+
+
+_register_gelu_fusion()
+
+
+# ---- fusion: the backward of log_softmax + nll_loss -> softmax - onehot in one buffer ----------
+def _register_cross_entropy_backward_fusion() -> None:
+    from kiln.dialects.registry import fusion, kernel
+    from kiln.ir.pattern import Lit, Op, V
+    from kiln.ops.nn import CROSS_ENTROPY_BACKWARD, cross_entropy_backward
+
+    pattern = Op(aten._log_softmax_backward_data.default, Op(
+        aten.nll_loss_backward.default, V("grad"), V("log_probs"), V("target"), Lit(None), V("reduction"),
+        V("ignore_index"), V("total_weight")), V("log_probs"), Lit(lambda d: d in (1, -1)), V("dtype"))
+
+    def build(b, matches):
+        (m,) = matches
+        lp = m["log_probs"]
+        if len(lp.meta.shape) != 2 or m["dtype"] != lp.meta.dtype or m["reduction"] not in (0, 1, 2):
+            return None
+        (grad,) = b.emit(CROSS_ENTROPY_BACKWARD, (m["grad"], lp, m["target"], m["reduction"], m["ignore_index"],
+                                                  m["total_weight"]), {})
+        return [grad]
+
+    fusion(ATEN, "cross_entropy_backward", pattern, build, phase="training", priority=5,
+           doc="nll_loss_backward + _log_softmax_backward_data -> (softmax - onehot) * scale, one buffer")
+    kernel(ATEN, cross_entropy_backward, cross_entropy_backward, name="fused")
+
+
+_register_cross_entropy_backward_fusion()

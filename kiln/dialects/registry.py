@@ -9,16 +9,21 @@ Each registers implementations of ops, of two forms:
   matched subgraph with one fused op of the dialect (RAF's FuseDialect), run by the `fuse` pass.
 For every node, the highest-priority implementation whose dialect is enabled, whose devices include
 the node's device, and whose checker accepts the node's concrete shapes/dtypes is used; the others
-are the fallback. `aten` implements every ATen op, so there is always one.
+are the fallback. `aten` implements every ATen op, so there is always one, and a kernel that raises
+at run time hands over to the op's ATen kernel (`Impl.runnable`), with a warning.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from kiln.errors import KilnError
+
+log = logging.getLogger("kiln")
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,22 @@ class Impl:
     checker: Callable[[Any], bool] = field(default=lambda node: True)
     priority: int = 0             # tie-break within a dialect
     name: str = ""
+    fallback: bool = True         # on a run-time failure, run the op's ATen kernel instead (logged)
+
+    @functools.cached_property
+    def runnable(self) -> Callable | None:
+        """The kernel the generated step calls: a non-aten kernel of a side-effect-free ATen or custom
+        op falls back to the op's own (ATen) implementation if it raises, with a warning, and keeps
+        using that implementation afterwards. Kernels with side effects never retry (a partial
+        in-place update must surface)."""
+        from torch._ops import OpOverload
+
+        from kiln.ops.registry import lookup
+        if (self.kernel is None or not self.fallback or self.dialect.name == "aten"
+                or not isinstance(self.target, OpOverload) or self.kernel is self.target
+                or lookup(self.target).side_effects):
+            return self.kernel
+        return _with_fallback(self)
 
     @property
     def label(self) -> str:
@@ -87,8 +108,29 @@ def dialect(name: str, priority: int, devices=("cpu", "cuda"), doc: str = "") ->
     return d
 
 
-def kernel(d: Dialect, target: Any, fn: Callable, checker=None, priority: int = 0, name: str = "") -> Impl:
-    return _add(Impl(d, target, kernel=fn, checker=checker or (lambda n: True), priority=priority, name=name))
+def kernel(d: Dialect, target: Any, fn: Callable, checker=None, priority: int = 0, name: str = "",
+           fallback: bool = True) -> Impl:
+    return _add(Impl(d, target, kernel=fn, checker=checker or (lambda n: True), priority=priority, name=name,
+                     fallback=fallback))
+
+
+def _with_fallback(impl: Impl) -> Callable:
+    primary, reference = impl.kernel, impl.target
+    failed = False
+
+    def run(*args, **kwargs):
+        nonlocal failed
+        if not failed:
+            try:
+                return primary(*args, **kwargs)
+            except Exception as exc:     # a broken provider costs speed, never the step
+                failed = True
+                log.warning("kiln: kernel %s of %s failed at run time (%s: %s); using ATen's kernel from now on",
+                            impl.label, reference, type(exc).__name__, exc)
+        return reference(*args, **kwargs)
+
+    run.__name__ = run.__qualname__ = getattr(primary, "__name__", "kernel")
+    return run
 
 
 def lowering(d: Dialect, target: Any, fn: Callable, checker=None, priority: int = 0, name: str = "") -> Impl:

@@ -79,10 +79,81 @@ def upcast_kernel(op):
     return run
 
 
+# Products whose fp32 copies (operands and result) would exceed this are computed in slices of rows,
+# so the copies stay small: a native bf16 matmul makes none, and the vocabulary projection (tokens x
+# vocab logits, and their gradient) would otherwise cost transient fp32 copies of the whole logits.
+SLICE_BYTES = 16 * 2 ** 20
+
+
+def _up(t):
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype in LOW else t
+
+
+def _row_slices(m: int, per_row_bytes: int):
+    rows = max(1, SLICE_BYTES // max(1, per_row_bytes))
+    return [(s, min(m, s + rows)) for s in range(0, m, rows)]
+
+
+def upcast_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for 2-D a (M, K), b (K, N), one of them low precision: fp32 products rounded once. Big
+    products go in slices of rows of a, or, for a long reduction (a weight gradient g^T @ x), in
+    slices of K accumulated in fp32."""
+    low = a.dtype if a.dtype in LOW else b.dtype
+    (m, k), n = a.shape, b.shape[1]
+    if 4 * m * (k + n) <= SLICE_BYTES:
+        return torch.mm(_up(a), _up(b)).to(low)
+    bf = _up(b)
+    if m >= k:
+        out = torch.empty(m, n, dtype=low, device=a.device)
+        for s, e in _row_slices(m, 4 * (k + n)):
+            out[s:e] = torch.mm(_up(a[s:e]), bf)
+        return out
+    depth = max(1, SLICE_BYTES // (4 * m))
+    acc = torch.mm(_up(a[:, :depth]), bf[:depth])
+    for s in range(depth, k, depth):
+        acc.addmm_(_up(a[:, s:s + depth]), bf[s:s + depth])
+    return acc.to(low)
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with fp32 products rounded once; big inputs go in slices of rows."""
+    low = next(t.dtype for t in (x, weight, bias) if isinstance(t, torch.Tensor) and t.dtype in LOW)
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.numel() // k if k else 0
+    if 4 * rows * (k + n) <= SLICE_BYTES or x.dim() < 1:
+        return torch.nn.functional.linear(_up(x), _up(weight), _up(bias)).to(low)
+    x2 = x.reshape(rows, k)
+    wf, bf = _up(weight), _up(bias)
+    out = torch.empty(rows, n, dtype=low, device=x.device)
+    for s, e in _row_slices(rows, 4 * (k + n)):
+        out[s:e] = torch.nn.functional.linear(_up(x2[s:e]), wf, bf)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def upcast_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    """bias + a @ b (beta/alpha as aten.addmm); rows of a in slices when big."""
+    if beta != 1 or alpha != 1:
+        return upcast_kernel(aten.addmm.default)(bias, a, b, beta=beta, alpha=alpha)
+    low = next(t.dtype for t in (a, b, bias) if t.dtype in LOW)
+    (m, k), n = a.shape, b.shape[1]
+    bf, bb = _up(b), _up(bias)
+    if 4 * m * (k + n) <= SLICE_BYTES:
+        return torch.addmm(bb, _up(a), bf).to(low)
+    out = torch.empty(m, n, dtype=low, device=a.device)
+    for s, e in _row_slices(m, 4 * (k + n)):
+        out[s:e] = torch.addmm(bb if bb.dim() < 2 or bb.shape[0] == 1 else bb[s:e], _up(a[s:e]), bf)
+    return out
+
+
+upcast_mm.op, upcast_linear.op, upcast_addmm.op = aten.mm.default, aten.linear.default, aten.addmm.default
+SLICED = {aten.mm.default: upcast_mm, aten.linear.default: upcast_linear, aten.addmm.default: upcast_addmm}
+
+
 def _register() -> None:
     targets = [t for op in all_ops() if op.cast is Cast.LOWER for t in op.targets] + list(BACKWARD_KERNELS)
     for target in dict.fromkeys(targets):
-        kernel(UPCAST, target, upcast_kernel(target), checker=_wanted, name="fp32")
+        fn = SLICED.get(target) or upcast_kernel(target)
+        kernel(UPCAST, target, fn, checker=_wanted, name="fp32")
 
 
 _register()

@@ -13,9 +13,10 @@ from kiln.ir.graph import Graph, Node, Value
 class Symbols:
     """Names for kernels and non-literal constants referenced by the generated code."""
 
-    def __init__(self) -> None:
+    def __init__(self, taken: set[str] = frozenset()) -> None:
         self.globals: dict[str, Any] = {"torch": torch}
         self._names: dict[int, str] = {}
+        self._taken = taken            # local variable names of the generated code: never shadowed
 
     def kernel(self, fn: Any) -> str:
         if id(fn) in self._names:
@@ -26,7 +27,7 @@ class Symbols:
         else:
             base = getattr(fn, "__name__", "kernel")
         name, i = base, 1
-        while name in self.globals:
+        while name in self.globals or name in self._taken:
             i += 1
             name = f"{base}_{i}"
         self.globals[name] = fn
@@ -35,7 +36,10 @@ class Symbols:
 
     def constant(self, obj: Any) -> str:
         if id(obj) not in self._names:
-            name = f"const{len(self._names)}"
+            name, i = f"const{len(self._names)}", len(self._names)
+            while name in self.globals or name in self._taken:
+                i += 1
+                name = f"const{i}"
             self.globals[name] = obj
             self._names[id(obj)] = name
         return self._names[id(obj)]
@@ -64,7 +68,7 @@ def literal(x: Any, syms: Symbols) -> str:
 
 
 def call_line(n: Node, syms: Symbols) -> str:
-    fn = n.impl.kernel if n.impl is not None else n.target
+    fn = n.impl.runnable if n.impl is not None else n.target
     args = [literal(a, syms) for a in n.args] + [f"{k}={literal(v, syms)}" for k, v in n.kwargs.items()]
     call = f"{syms.kernel(fn)}({', '.join(args)})"
     outs = n.outputs

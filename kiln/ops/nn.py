@@ -7,7 +7,7 @@ import math
 import torch
 
 from kiln.ops.common import arg, reshape, shape
-from kiln.ops.registry import Cast, Kind, defop
+from kiln.ops.registry import Cast, Kind, OpDef, defop, register
 
 aten = torch.ops.aten
 LOW, F32 = Cast.LOWER, Cast.FP32
@@ -156,6 +156,24 @@ def _nll_rule(backward):
 
 defop(aten.nll_loss_forward.default, _nll_rule(aten.nll_loss_backward.default), Kind.LOSS, F32)
 defop(aten.nll_loss2d_forward.default, _nll_rule(aten.nll_loss2d_backward.default), Kind.LOSS, F32)
+
+
+def cross_entropy_backward(grad, log_probs, target, reduction, ignore_index, total_weight):
+    """The logits' gradient of nll_loss(log_softmax(logits, 1), target) (no class weights) in one (N, C)
+    buffer: (softmax - onehot(target)) * scale, 0 on ignored rows. The unfused backward materializes
+    nll_loss_backward's (N, C) one-hot gradient and then log_softmax's: two more logits-sized buffers."""
+    out = torch.exp(log_probs)
+    valid = target != ignore_index
+    out.scatter_add_(1, torch.where(valid, target, 0).unsqueeze(1), -valid.to(out.dtype).unsqueeze(1))
+    per_row = grad / total_weight if reduction == 1 else grad          # mean: over the non-ignored rows
+    scale = torch.where(valid, per_row, torch.zeros((), dtype=per_row.dtype))
+    return (out.mul_(scale.to(out.dtype).unsqueeze(1)),)    # Kiln ops that are functions return tuples
+
+
+CROSS_ENTROPY_BACKWARD = register(OpDef(
+    "kiln.cross_entropy_backward", (cross_entropy_backward,), None, Kind.LOSS, F32, differentiable=False,
+    infer=lambda args, kwargs: [args[1].meta],
+    doc="d loss / d logits of nll_loss(log_softmax(x)): softmax - onehot, scaled (fused backward)"))
 
 
 # ---- attention --------------------------------------------------------------------------------

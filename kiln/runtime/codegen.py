@@ -18,7 +18,7 @@ _counter = itertools.count()
 def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False) -> tuple[str, Callable]:
     """Source and function of `graph`. The function returns outputs[0] (the loss), or, with
     `return_all`, a tuple of every graph output (used by the VJP tests to read the gradients)."""
-    syms = Symbols()
+    syms = Symbols(taken={v.name for n in graph.nodes for v in n.outputs} | {v.name for v in graph.inputs})
     last_use: dict = {}
     for i, n in enumerate(graph.nodes):
         for v in n.inputs:

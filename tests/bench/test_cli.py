@@ -81,6 +81,23 @@ def test_report_from_smoke_json(smoke, capsys):
     assert "| eager-bf16 | ok |" in capsys.readouterr().out
 
 
+def test_report_of_several_models_has_a_section_and_chart_each(smoke):
+    _, tmp = smoke
+    data = json.loads((tmp / "out.json").read_text())
+    paths = []
+    for model in ("llama", "gpt2"):
+        data["config"]["model"] = model
+        paths.append(tmp / f"{model}.json")
+        paths[-1].write_text(json.dumps(data))
+    out = tmp / "multi" / "benchmarks.md"
+    assert bench_main(["bench", "report", *map(str, paths), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.count("| eager (base) | ok |") == 2 and "## llama" in text and "## gpt2" in text
+    assert text.index("## llama") < text.index("](benchmarks-llama.png)") < text.index("## gpt2")
+    assert "](benchmarks-gpt2.png)" in text and (tmp / "multi" / "benchmarks-gpt2.png").stat().st_size > 1000
+    assert not list((tmp / "multi").glob("*.tmp"))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "gpt3"], "unknown model 'gpt3'"),
     (["--modes", "eager,turbo"], "unknown mode 'turbo'"),

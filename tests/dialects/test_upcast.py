@@ -110,3 +110,34 @@ def test_never_chosen_for_fp32_or_when_disabled(monkeypatch):
         off = _compile(MLP(), True, monkeypatch, amp="bf16")
         off(x, y)
     assert "upcast_" not in off.source()
+
+
+@pytest.mark.parametrize("m, k, n", [(96, 40, 24), (40, 96, 24), (33, 7, 5), (7, 33, 5)],
+                         ids=["rows", "reduction", "rows-uneven", "reduction-uneven"])
+def test_large_products_are_sliced_with_the_same_result(m, k, n, monkeypatch):
+    """Slices of rows are independent products; slices of the reduction accumulate in fp32."""
+    monkeypatch.setattr(upcast, "SLICE_BYTES", 4 * 3 * min(m, k))       # force a few slices
+    torch.manual_seed(0)
+    a, b = _r(m, k, dtype=torch.bfloat16), _r(k, n, dtype=torch.bfloat16)
+    got, want = upcast.upcast_mm(a, b), aten.mm.default(a, b)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=float(2 * eps * want.float().abs().max()))
+    assert upcast.upcast_mm(a.t().contiguous().t(), b).equal(got)    # strided operand, same slices
+
+
+@pytest.mark.parametrize("case", ["linear", "linear-3d", "addmm", "addmm-row-bias"])
+def test_sliced_linear_and_addmm_match_native(case, monkeypatch):
+    monkeypatch.setattr(upcast, "SLICE_BYTES", 4 * 3 * 40)
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    if case.startswith("linear"):
+        x = _r(2, 37, 24, dtype=bf) if case == "linear-3d" else _r(37, 24, dtype=bf)
+        args, op, fn = (x, _r(16, 24, dtype=bf), _r(16, dtype=bf)), aten.linear.default, upcast.upcast_linear
+    else:
+        bias = _r(37, 16, dtype=bf) if case == "addmm-row-bias" else _r(16, dtype=bf)
+        args, op, fn = (bias, _r(37, 24, dtype=bf), _r(24, 16, dtype=bf)), aten.addmm.default, upcast.upcast_addmm
+    got, want = fn(*args), op(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    eps = torch.finfo(bf).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=float(2 * eps * want.float().abs().max()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import math
 
 import pytest
 import torch
@@ -155,6 +156,28 @@ def test_a_lone_rotation_is_left_alone():
     assert fuse(g, ALL, "forward") == 0 and count(g, aten.cat.default) == 1
 
 
+def gelu_tanh_graph(x, cubic=0.044715):
+    g, b, (xv,) = graph_with_inputs(x)
+    inner = b(aten.add.Tensor, xv, b(aten.mul.Tensor, b(aten.pow.Tensor_Scalar, xv, 3.0), cubic))
+    t = b(aten.tanh.default, b(aten.mul.Tensor, inner, math.sqrt(2 / math.pi)))
+    g.outputs = [b(aten.mul.Tensor, b(aten.mul.Tensor, xv, 0.5), b(aten.add.Tensor, t, 1.0))]
+    return g
+
+
+def test_gelu_tanh_formula_becomes_atens_fused_gelu():
+    x = torch.randn(64, 32, dtype=torch.float64)
+    g = gelu_tanh_graph(x)
+    assert fuse(g, ALL, "forward") == 1
+    assert [(n.target, n.kwargs) for n in g.nodes] == [(aten.gelu.default, {"approximate": "tanh"})]
+    want = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x.pow(3))))
+    torch.testing.assert_close(run(g, x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_different_constant_is_not_gelu():
+    g = gelu_tanh_graph(torch.randn(8), cubic=0.05)
+    assert fuse(g, ALL, "forward") == 0 and count(g, aten.tanh.default) == 1
+
+
 def test_random_and_side_effect_ops_are_never_inside_a_fusion():
     x = torch.randn(4, 8)
     g, b, (xv,) = graph_with_inputs(x)
@@ -219,7 +242,8 @@ def test_llama_fuses_norms_rope_and_swiglu_and_trains_like_eager():
     step = _train_both(model, ids)
     fused = [n.fused.fusion for n in step.graph.nodes if n.fused is not None]
     assert fused.count("kiln:rms_norm") == 5 and fused.count("kiln:rope") == 2 and fused.count("kiln:swiglu") == 2
-    assert "fused: aten:adamw_multi_tensor x1, kiln:rms_norm x5, kiln:rope x2, kiln:swiglu x2" in \
+    assert ("fused: aten:adamw_multi_tensor x1, aten:cross_entropy_backward x1, kiln:rms_norm x5, kiln:rope x2, "
+            "kiln:swiglu x2") in \
         step.explain(file=io.StringIO())
     # the optimizer: every parameter's AdamW update in one multi-tensor kernel, still the last node
     updates = [n for n in step.graph.nodes if n.phase.value == "optimizer"]
@@ -241,3 +265,48 @@ def test_small_vocabulary_keeps_the_logits():
     step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3))
     step(input_ids=ids, labels=ids)
     assert not any(n.target is kiln_ops.linear_cross_entropy.default for n in step.graph.nodes)
+
+
+# ---- log_softmax + nll backward -> one buffer ---------------------------------------------------
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignored", ["some", "all"])
+def test_cross_entropy_backward_kernel_matches_autograd(reduction, ignored):
+    from kiln.ops.nn import cross_entropy_backward
+    torch.manual_seed(0)
+    x = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 11, (6,))
+    y[::2 if ignored == "some" else 1] = -100
+    lsm = torch.log_softmax(x, 1)
+    loss, total = torch.ops.aten.nll_loss_forward(lsm, y, None, {"none": 0, "mean": 1, "sum": 2}[reduction], -100)
+    g = torch.randn_like(loss)
+    (want,) = torch.autograd.grad(loss, x, g)
+    (got,) = cross_entropy_backward(g, lsm.detach(), y, {"none": 0, "mean": 1, "sum": 2}[reduction], -100, total)
+    torch.testing.assert_close(got, torch.nan_to_num(want, nan=0.0) if ignored == "all" else want)
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.net(x), y, ignore_index=3)
+
+
+def test_classifier_loss_backward_is_one_kernel_and_trains_like_eager():
+    torch.manual_seed(0)
+    model, x, y = Classifier(), torch.randn(32, 16), torch.randint(0, 10, (32,))
+    ref = copy.deepcopy(model)
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-2))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        got = step(x, y)
+        opt.zero_grad()
+        want = ref(x, y)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-6)
+    names = [n.op.name for n in step.graph.nodes]
+    assert "kiln.cross_entropy_backward" in names and "aten.nll_loss_backward" not in names

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def test_failed_step_changes_nothing(monkeypatch):
     def broken_mm(*a, **k):
         raise RuntimeError("injected kernel failure")
     broken = dialect_registry.dialect("broken_for_test", priority=100, devices=("cpu",))
-    impl = dialect_registry.kernel(broken, torch.ops.aten.mm.default, broken_mm)
+    impl = dialect_registry.kernel(broken, torch.ops.aten.mm.default, broken_mm, fallback=False)
     try:
         failing = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-2), loss_fn=ce,
                                dialects=["broken_for_test"])
@@ -130,6 +131,34 @@ def test_failed_step_changes_nothing(monkeypatch):
     for n, slots in failing.state_dict()["state"].items():
         for k, t in slots.items():
             assert torch.equal(t, state_before["state"][n][k]), (n, k)
+
+
+def test_a_kernel_failing_at_run_time_hands_over_to_aten(caplog):
+    model, x, y = mlp_and_data()
+    ref = copy.deepcopy(model)
+    calls = []
+
+    def flaky_mm(*a, **k):
+        calls.append(1)
+        raise RuntimeError("no kernel for this layout")
+    flaky = dialect_registry.dialect("flaky_for_test", priority=100, devices=("cpu",))
+    impl = dialect_registry.kernel(flaky, torch.ops.aten.mm.default, flaky_mm)
+    try:
+        step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.1), loss_fn=ce, dialects=["flaky_for_test"])
+        with caplog.at_level(logging.WARNING, logger="kiln"):
+            losses = [step(x, y) for _ in range(2)]
+        assert "kernel flaky_for_test of aten.mm.default failed at run time" in caplog.text
+        assert caplog.text.count("failed at run time") == 1 and len(calls) == 1    # tried once, then ATen
+        assert "flaky_for_test" in step.source()
+    finally:
+        dialect_registry._IMPLS[torch.ops.aten.mm.default].remove(impl)
+        del dialect_registry.DIALECTS["flaky_for_test"]
+    with kiln.dialects("aten"):
+        plain = kiln.compile(ref, optimizer=kiln.optim.SGD(lr=0.1), loss_fn=ce)
+        want = [plain(x, y) for _ in range(2)]
+    torch.testing.assert_close(losses, want, rtol=0, atol=0)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=0, atol=0)
 
 
 def test_dialect_checker_rejection_falls_back_to_aten():

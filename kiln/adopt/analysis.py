@@ -1,0 +1,630 @@
+"""Source -> DSL structures: one `Function` per class method and module-level function.
+
+Works on libcst, so every DSL node keeps a link to the expression it computes (`Node.cst`) and the
+statement it sits in (`Node.stmt`), which is what synthesis edits.  Names are resolved by meaning
+through the module's imports (`F.gelu`, `nn.functional.gelu` and `torch.nn.functional.gelu` are one
+function; see `Resolver`); `self.fc(x)` is typed by the constructor call that `__init__` assigns to
+`self.fc`; tensor methods (`x.tanh()`) and operators map to canonical ops (see canon.py).
+
+Data flow is SSA-like: each assignment to a Python name makes a new version (`h`, `h:1`, `h:2`),
+names assigned in branches or loops get a fresh version after them, and every read is counted, so
+a value can be inlined into its reader only when that is its single use in the same block.  A
+match therefore never joins two unrelated tensors that happen to share a Python name.
+"""
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from kiln.adopt import canon
+from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Ref, Tuple, Var, format_structure
+
+_BINOPS = {cst.Add: "+", cst.Subtract: "-", cst.Multiply: "*", cst.Divide: "/", cst.Power: "**",
+           cst.MatrixMultiply: "@", cst.FloorDivide: "//", cst.Modulo: "%", cst.BitAnd: "operator.and_",
+           cst.BitOr: "operator.or_", cst.BitXor: "operator.xor", cst.LeftShift: "operator.lshift",
+           cst.RightShift: "operator.rshift"}
+
+
+@dataclass(eq=False)
+class Block:
+    """A straight-line run of statements (a function body, an `if` branch, a loop body ...)."""
+    keyword: str
+    items: list = field(default_factory=list)     # Node | Block, in source order
+
+
+@dataclass(eq=False)
+class Stmt:
+    """One small statement; `target` is the value a plain `name = expr` defines (deletable)."""
+    cst: cst.CSTNode
+    line_node: cst.SimpleStatementLine
+    block: Block
+    line: int
+    target: str | None = None
+    env: dict = field(default_factory=dict)   # Python name -> value version visible before it
+
+
+@dataclass(eq=False)
+class Phi:
+    """A name assigned inside `if test:` (no else): after it, `value` is `inner` or `before`."""
+    value: str
+    before: str | None          # the version before the `if` (None: unassigned before it)
+    inner: str                  # the version at the end of the `if` body
+    if_cst: cst.If
+    block: Block                # the block holding the `if`
+    body: Block                 # the `if` body
+    env: dict                   # Python name -> version visible before the `if`
+
+
+@dataclass(eq=False)
+class Function:
+    cls: str | None
+    name: str
+    params: list[str]
+    line: int
+    body: Block
+    cst: cst.FunctionDef
+    nodes: list[Node]
+    uses: Counter               # value name -> number of reads
+    reader_block: dict          # value name -> block of its (last) reader
+    defs: dict                  # value name -> Node that defines it
+    def_stmt: dict              # value name -> Stmt where it is (re)assigned, phis included
+    mutated: set                # values changed in place (x.add_(...), x += ...)
+    local_names: set            # Python names local to the function
+    name_version: dict          # id(cst.Name) -> value version that Name reads
+    phis: dict = field(default_factory=dict)   # value after an `if` without else -> Phi
+    init: dict = field(default_factory=dict)   # self attribute -> [expressions __init__ assigns to it]
+    resolver: object = None
+
+    @property
+    def title(self) -> str:
+        return f"{self.cls}.{self.name}" if self.cls else self.name
+
+    def inlinable(self, name: str) -> bool:
+        """May `name`'s definition be folded into its reader (its single use, same block)?"""
+        node = self.defs.get(name)
+        if node is None or name in self.mutated:
+            return False
+        if name.startswith("%"):
+            return True
+        stmt = node.stmt
+        return (self.uses[name] == 1 and stmt is not None and stmt.target == name
+                and self.reader_block.get(name) is stmt.block)
+
+    def show(self) -> str:
+        return format_structure(self.title, self.params, self.body.items)
+
+
+@dataclass
+class ModuleAnalysis:
+    module: cst.Module
+    functions: list[Function]
+    positions: object            # PositionProvider mapping
+    source: str
+
+
+def analyze(source: str) -> ModuleAnalysis:
+    """Parse `source` (raises libcst.ParserSyntaxError) and extract every method and function."""
+    module = cst.parse_module(source)
+    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    resolver = Resolver(module)
+    functions = []
+    for stmt in module.body:
+        if isinstance(stmt, cst.FunctionDef):
+            functions.append(_FunctionAnalyzer(stmt, None, {}, resolver, positions).run())
+        elif isinstance(stmt, cst.ClassDef):
+            methods = [s for s in stmt.body.body if isinstance(s, cst.FunctionDef)]
+            init = next((m for m in methods if m.name.value == "__init__"), None)
+            types, exprs = _self_types(init, resolver) if init is not None else ({}, {})
+            for m in methods:
+                fn = _FunctionAnalyzer(m, stmt.name.value, types, resolver, positions, exprs).run()
+                functions.append(fn)
+    return ModuleAnalysis(module, functions, positions, source)
+
+
+class Resolver:
+    """Qualified names of module-level names: `F` -> `torch.nn.functional` after
+    `import torch.nn.functional as F`, `nn.Linear` -> `torch.nn.Linear` after `from torch import nn`.
+
+    libcst's QualifiedNameProvider answers the same question but costs seconds per large file
+    (it builds every scope); within a method only module-level bindings matter here, since the
+    analysis treats every name the function assigns as a local value.  A name bound to two
+    different things at module level (say, in both branches of an `if`) resolves to nothing."""
+
+    def __init__(self, module: cst.Module):
+        self.bindings: dict[str, str | None] = {}
+        self._scan(module.body)
+
+    def _bind(self, name: str, target: str):
+        old = self.bindings.get(name, target)
+        self.bindings[name] = target if old == target else None
+
+    def _scan(self, body):
+        for stmt in body:
+            if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+                self._bind(stmt.name.value, stmt.name.value)
+            elif isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
+                for small in stmt.body:
+                    self._small(small)
+            elif isinstance(stmt, (cst.If, cst.Try, cst.With, cst.For, cst.While)):
+                for part in [stmt] + [getattr(stmt, a, None) for a in ("orelse", "finalbody")] \
+                        + list(getattr(stmt, "handlers", ())):
+                    while isinstance(part, (cst.If, cst.Else, cst.Try, cst.With, cst.For, cst.While,
+                                            cst.ExceptHandler, cst.Finally)):
+                        self._scan(part.body.body if isinstance(part.body, cst.IndentedBlock) else [part.body])
+                        part = part.orelse if isinstance(part, cst.If) else None
+
+    def _small(self, small):
+        if isinstance(small, cst.Import):
+            for alias in small.names:
+                full = _code(alias.name)
+                if alias.asname is not None:
+                    self._bind(_code(alias.asname.name), full)
+                else:
+                    self._bind(full.split(".")[0], full.split(".")[0])
+        elif isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
+            base = "." * len(small.relative) + (_code(small.module) if small.module is not None else "")
+            for alias in small.names:
+                name = _code(alias.name)
+                local = _code(alias.asname.name) if alias.asname is not None else name
+                self._bind(local, f"{base}.{name}" if not base.endswith(".") else base + name)
+        elif isinstance(small, (cst.Assign, cst.AnnAssign, cst.AugAssign)):
+            for name in _assigned_names([small]):
+                self._bind(name, name)
+
+    def qualname(self, node) -> str | None:
+        if isinstance(node, cst.Name):
+            return self.bindings.get(node.value, node.value)    # unbound: a builtin, by its name
+        if isinstance(node, cst.Attribute):
+            base = self.qualname(node.value)
+            return None if base is None else f"{base}.{node.attr.value}"
+        return None
+
+
+def _self_types(init: cst.FunctionDef, resolver: Resolver) -> tuple[dict[str, str], dict]:
+    """`self.fc = nn.Linear(...)` in __init__ -> {"fc": "torch.nn.Linear"}; conflicting types drop out.
+
+    Also returns {attribute: [expressions assigned to it]} (rules read constructor arguments from
+    them: `nn.Softmax(dim=-1)`, `ACT2FN[config.hidden_act]`)."""
+    params = init.params.params
+    if not params:
+        return {}, {}
+    self_name = params[0].name.value
+    found: dict[str, set] = {}
+    exprs: dict[str, list] = {}
+    for node in _walk(init.body):
+        if isinstance(node, cst.Assign) and len(node.targets) == 1:
+            target = node.targets[0].target
+            if (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
+                    and target.value.value == self_name):
+                kind = None
+                if isinstance(node.value, cst.Call):
+                    kind = resolver.qualname(node.value.func)
+                found.setdefault(target.attr.value, set()).add(kind)
+                exprs.setdefault(target.attr.value, []).append(node.value)
+    types = {k: next(iter(v)) for k, v in found.items() if len(v) == 1 and None not in v}
+    return types, exprs
+
+
+def _walk(node):
+    stack = list(node) if isinstance(node, (list, tuple)) else [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(reversed(n.children))
+
+
+class _FunctionAnalyzer:
+    def __init__(self, fn: cst.FunctionDef, cls: str | None, self_types: dict, resolver, positions,
+                 init_exprs: dict | None = None):
+        self.fn, self.cls, self.self_types = fn, cls, self_types
+        self.init_exprs = init_exprs or {}
+        self.phis: dict = {}
+        self.resolver, self.positions = resolver, positions
+        self.env: dict[str, str] = {}
+        self.versions: Counter = Counter()
+        self.temps = 0
+        self.nodes: list[Node] = []
+        self.uses: Counter = Counter()
+        self.reader_block: dict = {}
+        self.defs: dict = {}
+        self.def_stmt: dict = {}
+        self.mutated: set = set()
+        self.block: Block | None = None
+        self.stmt: Stmt | None = None
+        params = fn.params
+        all_params = list(params.posonly_params) + list(params.params) + list(params.kwonly_params)
+        all_params += [p for p in (params.star_arg, params.star_kwarg) if isinstance(p, cst.Param)]
+        self.params = [p.name.value for p in all_params]
+        static = any(isinstance(d.decorator, cst.Name) and d.decorator.value == "staticmethod"
+                     for d in fn.decorators)
+        self.self_name = self.params[0] if cls and self.params and not static else None
+        self.local_names = set(self.params) | _assigned_names([fn.body])
+        self.name_version: dict[int, str] = {}   # id(cst.Name) -> the value version it reads
+        for p in self.params:
+            self.env[p] = p
+
+    def run(self) -> Function:
+        body = self.fn.body
+        block = self.run_block(body, "body")
+        return Function(self.cls, self.fn.name.value, self.params, self.line(self.fn), block, self.fn,
+                        self.nodes, self.uses, self.reader_block, self.defs, self.def_stmt, self.mutated,
+                        self.local_names, self.name_version, self.phis, self.init_exprs, self.resolver)
+
+    def line(self, node) -> int:
+        return self.positions[node].start.line
+
+    # -- values ---------------------------------------------------------------------------------
+    def new_version(self, name: str) -> str:
+        self.versions[name] += 1
+        value = f"{name}:{self.versions[name]}"
+        self.env[name] = value
+        self.def_stmt[value] = self.stmt
+        return value
+
+    def read(self, name: str, node=None) -> str:
+        value = self.env.get(name) or self.new_version(name)   # read before any assignment we saw
+        if node is not None:
+            self.name_version[id(node)] = value
+        self.uses[value] += 1
+        self.reader_block[value] = self.block
+        return value
+
+    def emit(self, op, args, kwargs=(), module=None, expr=None) -> Var:
+        self.temps += 1
+        out = Var(f"%{self.temps}")
+        node = Node(op, tuple(args), tuple(kwargs), out, module, self.line(expr) if expr else 0, expr, self.stmt)
+        self.nodes.append(node)
+        self.defs[out.name] = node
+        self.block.items.append(node)
+        return out
+
+    # -- statements -----------------------------------------------------------------------------
+    def run_block(self, suite, keyword: str) -> Block:
+        outer, self.block = self.block, Block(keyword)
+        stmts = suite.body if isinstance(suite, cst.IndentedBlock) else [suite]
+        for st in stmts:
+            if isinstance(st, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
+                for small in st.body:
+                    self.stmt = Stmt(small, st, self.block, self.line(small), env=dict(self.env))
+                    self.small(small)
+            else:
+                self.stmt = None
+                self.compound(st)
+        block, self.block = self.block, outer
+        if outer is not None:
+            outer.items.append(block)
+        return block
+
+    def small(self, st):
+        if isinstance(st, (cst.Assign, cst.AnnAssign)) and st.value is not None:
+            targets = [t.target for t in st.targets] if isinstance(st, cst.Assign) else [st.target]
+            value = self.expr(st.value)
+            if len(targets) == 1 and isinstance(targets[0], cst.Name) and targets[0].value in self.local_names:
+                self.define(targets[0].value, value, st.value)
+            else:
+                stored = self.defs.pop(self.emit("store", [Opaque(_code(targets), ()), value]).name)
+                stored.out, stored.line = None, self.stmt.line     # a store defines no value
+                for t in targets:
+                    self.store_target(t)
+        elif isinstance(st, cst.AugAssign):
+            value = self.expr(st.value)
+            target = self.expr(st.target)
+            if isinstance(st.target, cst.Name) and isinstance(target, Var):
+                self.mutated.add(target.name)          # `x += y` updates a tensor in place
+                out = self.emit(_aug_op(st.operator), [target, value])
+                self.defs[out.name].line = self.stmt.line
+                self.rename(out, self.new_version(st.target.value))
+                self.mutated.add(self.env[st.target.value])
+            else:
+                self.opaque_reads(st.target)
+        elif isinstance(st, cst.Return):
+            args = [] if st.value is None else [self.expr(st.value)]
+            node = Node("return", tuple(args), line=self.stmt.line, stmt=self.stmt)
+            self.block.items.append(node)
+        elif isinstance(st, cst.Expr):
+            self.expr(st.value)
+        else:                                           # pass, del, raise, assert, import, global ...
+            self.opaque_reads(st)
+            for name in _assigned_names([st]):
+                self.new_version(name)
+
+    def define(self, name: str, value, expr):
+        if isinstance(value, Var) and value.is_temp and self.defs[value.name].stmt is self.stmt:
+            self.rename(value, None, name)
+        else:
+            out = self.emit("=", [value], expr=expr)
+            self.rename(out, None, name)
+
+    def rename(self, temp: Var, value: str | None, name: str | None = None):
+        """Give the node computing `temp` the variable version as its output (`-> h:1`)."""
+        node = self.defs.pop(temp.name)
+        value = value or self.new_version(name)
+        node.out = Var(value)
+        self.defs[value] = node
+        self.def_stmt[value] = self.stmt
+        if name is not None:
+            self.stmt.target = value
+
+    def store_target(self, target):
+        if isinstance(target, cst.Name):
+            self.new_version(target.value)
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            for el in target.elements:
+                self.store_target(el.value)
+        elif isinstance(target, cst.StarredElement):
+            self.store_target(target.value)
+        elif isinstance(target, cst.Subscript):  # x[i] = ... changes x in place
+            self.mark_mutated(self.expr(target.value))
+            self.opaque_reads(target.slice)
+        else:                                   # self.x = ...: reads, no new value
+            self.opaque_reads(target)
+
+    def mark_mutated(self, operand):
+        while isinstance(operand, (Attr, Item)):
+            operand = operand.base
+        if isinstance(operand, Var):
+            self.mutated.add(operand.name)
+
+    def compound(self, st):
+        assigned = _assigned_names([st])
+        if isinstance(st, (cst.For, cst.While)):
+            # Loop-carried values: reads in the body may see any iteration's value.
+            header = st.iter if isinstance(st, cst.For) else st.test
+            self.opaque_reads(header)
+            for name in assigned:
+                self.new_version(name)
+            self.run_block(st.body, "for" if isinstance(st, cst.For) else "while")
+            if st.orelse is not None:
+                self.run_block(st.orelse.body, "else")
+        elif isinstance(st, cst.If):
+            self.opaque_reads(st.test)
+            before = dict(self.env)
+            outer = self.block
+            body = self.run_block(st.body, "if")
+            if st.orelse is None:
+                inner = dict(self.env)
+                for name in assigned:
+                    value = self.new_version(name)
+                    self.phis[value] = Phi(value, before.get(name), inner.get(name, value), st, outer, body, before)
+                return
+            if st.orelse is not None:
+                self.env = dict(before)
+                if isinstance(st.orelse, cst.If):
+                    self.compound(st.orelse)
+                else:
+                    self.run_block(st.orelse.body, "else")
+        elif isinstance(st, cst.With):
+            for item in st.items:
+                self.opaque_reads(item.item)
+            self.run_block(st.body, "with")
+        elif isinstance(st, cst.Try):
+            self.run_block(st.body, "try")
+            for handler in st.handlers:
+                self.run_block(handler.body, "except")
+            for part in (st.orelse, st.finalbody):
+                if part is not None:
+                    self.run_block(part.body, "else" if part is st.orelse else "finally")
+        else:                                   # nested def/class, match, async forms: opaque
+            self.opaque_reads(st)
+        for name in assigned:                   # after a branch/loop a name may hold either value
+            self.new_version(name)
+
+    # -- expressions ----------------------------------------------------------------------------
+    def expr(self, e):
+        if isinstance(e, cst.Name):
+            if e.value in ("True", "False", "None"):
+                return Const({"True": True, "False": False, "None": None}[e.value])
+            if e.value in self.local_names:
+                return Var(self.read(e.value, e))
+            return Ref(self.resolver.qualname(e) or e.value)
+        if isinstance(e, (cst.Integer, cst.Float)):
+            return Const(ast.literal_eval(e.value))
+        if isinstance(e, cst.SimpleString):
+            try:
+                return Const(ast.literal_eval(e.value))
+            except (ValueError, SyntaxError):
+                return self.opaque(e)
+        if isinstance(e, cst.Attribute):
+            if _root_name(e) in self.local_names or not isinstance(_root(e), cst.Name):
+                return Attr(self.expr(e.value), e.attr.value)
+            return Ref(self.resolver.qualname(e) or _code(e))
+        if isinstance(e, cst.Call):
+            return self.call(e)
+        if isinstance(e, cst.BinaryOperation) and type(e.operator) in _BINOPS:
+            left, right = self.expr(e.left), self.expr(e.right)
+            return self.emit(_BINOPS[type(e.operator)], [left, right], expr=e)
+        if isinstance(e, cst.UnaryOperation):
+            if isinstance(e.operator, cst.Plus):
+                return self.expr(e.expression)
+            value = self.expr(e.expression)
+            if isinstance(e.operator, cst.Minus):
+                if isinstance(value, Const) and isinstance(value.value, (int, float)) and not e.lpar:
+                    return Const(-value.value)
+                return self.emit("neg", [value], expr=e)
+            op = "operator.invert" if isinstance(e.operator, cst.BitInvert) else "operator.not_"
+            return self.emit(op, [value], expr=e)
+        if isinstance(e, (cst.Tuple, cst.List)) and not any(
+                isinstance(el, cst.StarredElement) for el in e.elements):
+            return Tuple(tuple(self.expr(el.value) for el in e.elements))
+        if isinstance(e, cst.Subscript):
+            base = self.expr(e.value)
+            reads = self.opaque_reads(e.slice)
+            return Item(base, "".join(_code(s) for s in e.slice), tuple(sorted(reads)))
+        return self.opaque(e)
+
+    def call(self, e: cst.Call):
+        func = e.func
+        starred = any(a.star for a in e.args)
+        module, qualname, receiver = None, None, None
+        if isinstance(func, cst.Attribute):
+            root = _root(func)
+            is_global = isinstance(root, cst.Name) and root.value not in self.local_names
+            if is_global:
+                qualname = self.resolver.qualname(func) or _code(func)
+            elif (self.self_name and isinstance(func.value, cst.Name)
+                    and func.value.value == self.self_name):
+                module = Attr(Var(self.read(self.self_name, func.value)), func.attr.value)
+                qualname = self.self_types.get(func.attr.value, "call")
+                ctors = self.init_exprs.get(func.attr.value, [])
+                dim = _softmax_dim(ctors[0]) if qualname == "torch.nn.Softmax" and len(ctors) == 1 else None
+                if dim is not None and len(e.args) == 1 and e.args[0].keyword is None:
+                    # self.softmax = nn.Softmax(dim=-1) in __init__: self.softmax(x) is softmax(x, dim=-1)
+                    return self.emit("softmax", [self.expr(e.args[0].value)], [("dim", Const(dim))], expr=e)
+            else:
+                receiver = self.expr(func.value)
+                qualname = "Tensor." + func.attr.value
+                if func.attr.value.endswith("_") and not func.attr.value.startswith("__"):
+                    self.mark_mutated(receiver)            # x.mul_(...) changes x in place
+        elif isinstance(func, cst.Name) and func.value not in self.local_names:
+            qualname = self.resolver.qualname(func) or func.value
+        else:
+            module, qualname = self.expr(func), "call"
+        args = [receiver] if receiver is not None else []
+        # `*shape` / `**kw` stay opaque operands (their text); such a call is never a canonical op
+        args += [Opaque(a.star + _code(a.value), tuple(sorted(self.opaque_reads(a.value)))) if a.star
+                 else self.expr(a.value) for a in e.args if a.keyword is None]
+        kwargs = [(a.keyword.value, self.expr(a.value)) for a in e.args if a.keyword is not None]
+        result = None if module is not None or starred else canon.canonical_call(qualname, args, kwargs, Ref)
+        if result is not None:
+            op, args, kwargs = result
+        elif receiver is not None:
+            op = "." + func.attr.value
+        else:
+            op = qualname
+        return self.emit(op, args, kwargs, module=module, expr=e)
+
+    def opaque(self, e) -> Opaque:
+        reads = self.opaque_reads(e)
+        return Opaque(_code(e), tuple(sorted(reads)))
+
+    def opaque_reads(self, e) -> set:
+        """Count every local name inside `e` as read (conservative: lambdas, comprehensions ...)."""
+        reads = set()
+        for n in _walk(e):
+            if isinstance(n, cst.Name) and n.value in self.local_names:
+                reads.add(self.read(n.value, n))
+        return reads
+
+
+def _softmax_dim(ctor) -> int | None:
+    """The literal `dim` of an `nn.Softmax(dim=-1)` / `nn.Softmax(-1)` constructor call, else None."""
+    if not isinstance(ctor, cst.Call) or len(ctor.args) != 1:
+        return None
+    arg = ctor.args[0]
+    if arg.keyword is not None and arg.keyword.value != "dim":
+        return None
+    try:
+        value = ast.literal_eval(_code(arg.value))
+    except (ValueError, SyntaxError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _aug_op(operator) -> str:
+    name = type(operator).__name__.replace("Assign", "")
+    for cls, sym in _BINOPS.items():
+        if cls.__name__ == name:
+            return sym
+    return "operator." + name.lower()
+
+
+def _root(e):
+    while isinstance(e, cst.Attribute):
+        e = e.value
+    return e
+
+
+def _root_name(e) -> str | None:
+    root = _root(e)
+    return root.value if isinstance(root, cst.Name) else None
+
+
+_CODE_MODULE = cst.Module(body=[])
+
+
+def _code(node) -> str:
+    if isinstance(node, (list, tuple)):
+        return ", ".join(_code(n) for n in node)
+    return _CODE_MODULE.code_for_node(node)
+
+
+class _AssignedNames(cst.CSTVisitor):
+    """Names bound by a piece of code, not descending into nested scopes (defs, lambdas, comprehensions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+        self.outer: set[str] = set()     # `global g` / `nonlocal g`: stores to another scope
+
+    def _target(self, t):
+        if isinstance(t, cst.Name):
+            self.names.add(t.value)
+        elif isinstance(t, (cst.Tuple, cst.List)):
+            for el in t.elements:
+                self._target(el.value)
+        elif isinstance(t, cst.StarredElement):
+            self._target(t.value)
+
+    def visit_AssignTarget(self, node):
+        self._target(node.target)
+
+    def visit_AnnAssign(self, node):
+        self._target(node.target)
+
+    def visit_AugAssign(self, node):
+        self._target(node.target)
+
+    def visit_For(self, node):
+        self._target(node.target)
+
+    def visit_WithItem(self, node):
+        if node.asname is not None:
+            self._target(node.asname.name)
+
+    def visit_ExceptHandler(self, node):
+        if node.name is not None:
+            self._target(node.name.name)
+
+    def visit_NamedExpr(self, node):
+        self._target(node.target)
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            self.names.add(_code(alias.asname.name) if alias.asname else _code(alias.name).split(".")[0])
+
+    def visit_ImportFrom(self, node):
+        if not isinstance(node.names, cst.ImportStar):
+            for alias in node.names:
+                self.names.add(_code(alias.asname.name) if alias.asname else _code(alias.name))
+
+    def visit_Global(self, node):
+        self.outer.update(n.name.value for n in node.names)
+
+    visit_Nonlocal = visit_Global
+
+    def visit_FunctionDef(self, node):
+        self.names.add(node.name.value)
+        return False
+
+    def visit_ClassDef(self, node):
+        self.names.add(node.name.value)
+        return False
+
+    def _skip(self, node):
+        return False
+
+    visit_Lambda = visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _skip
+    # Dotted names and strings cannot bind anything (a walrus is not allowed in either).
+    visit_Attribute = visit_SimpleString = visit_FormattedString = visit_ConcatenatedString = _skip
+
+
+def _assigned_names(stmts) -> set[str]:
+    """Names bound by these statements (not descending into nested scopes' bodies)."""
+    visitor = _AssignedNames()
+    for st in stmts:
+        st.visit(visitor)
+    return visitor.names - visitor.outer

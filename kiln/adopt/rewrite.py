@@ -1,0 +1,286 @@
+"""`rewrite_source`: analysis -> matching -> synthesis for one file's text."""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+
+import libcst as cst
+
+from kiln.adopt import rules as rules_mod
+from kiln.adopt.analysis import Block, Function, analyze
+from kiln.adopt.dsl import Attr, Item, Node, Opaque, Tuple, Var
+from kiln.adopt.expr import Expr, TreeBuilder, normalize
+from kiln.adopt.match import match
+from kiln.adopt.structural import Context, StructuralRule
+from kiln.adopt.synth import Edits, Imports, Refusal, apply, paren, py_literal, render
+from kiln.errors import KilnError
+
+
+class AdoptError(KilnError):
+    """A file that cannot be rewritten at all (it does not parse); names file and line."""
+
+
+@dataclass
+class Match:
+    """One location: a rule matched in (class, method) over lines first_line..last_line (1-based)."""
+    rule: str
+    cls: str | None
+    method: str
+    first_line: int
+    last_line: int
+    applied: bool
+    reason: str | None = None
+    file: str = "<string>"
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "rule": self.rule, "class": self.cls, "method": self.method,
+                "first_line": self.first_line, "last_line": self.last_line, "applied": self.applied,
+                "reason": self.reason}
+
+
+def resolve_rules(rules) -> list[rules_mod.CompiledRule]:
+    """None -> all built-in rules; otherwise a list of built-in names and/or compiled rules."""
+    if rules is None:
+        return rules_mod.load_builtin()
+    out = []
+    for r in rules:
+        out += rules_mod.load_builtin([r]) if isinstance(r, str) else [r]
+    return out
+
+
+def parse_source(text: str, filename: str):
+    """Analyze `text`; a file that does not parse raises AdoptError naming file:line:column."""
+    try:   # Python's own parser first: its messages and positions are the ones users know
+        compile(text, filename, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+    except SyntaxError as exc:
+        raise AdoptError(f"{filename}:{exc.lineno}:{exc.offset}: syntax error: {exc.msg}") from None
+    except ValueError as exc:        # e.g. null bytes
+        raise AdoptError(f"{filename}: not Python source: {exc}") from None
+    try:
+        return analyze(text)
+    except cst.ParserSyntaxError as exc:
+        raise AdoptError(f"{filename}:{exc.raw_line}:{exc.raw_column + 1}: libcst cannot parse this "
+                         f"(newer syntax?): {exc.message}") from None
+
+
+def rewrite_source(text: str, rules=None, filename: str = "<string>") -> tuple[str, list[Match]]:
+    """Rewrite hand-written patterns in `text`; returns (new text, matches).
+
+    `rules`: None for every built-in rule, or a list of built-in rule names / compiled rules
+    (`kiln.adopt.rules.load_file(path)`).  Matches that were found but not rewritten have
+    `applied=False` and a `reason`.  Everything outside the rewritten expressions is kept byte for
+    byte; running the result through again changes nothing."""
+    compiled = resolve_rules(rules)
+    analysis = parse_source(text, filename)
+    imports = Imports(analysis.module)
+    edits = Edits()
+    matches: list[Match] = []
+    for fn in analysis.functions:
+        matches += _rewrite_function(fn, compiled, analysis, imports, edits, filename)
+    new_text = apply(analysis.module, edits, imports)
+    try:
+        compile(new_text, filename, "exec")
+    except SyntaxError as exc:          # a bug in a rule or in synthesis: never write such a file
+        raise AdoptError(f"{filename}: the rewritten source does not parse ({exc}); nothing written") from None
+    return new_text, matches
+
+
+def _blocks(block: Block):
+    yield block
+    for item in block.items:
+        if isinstance(item, Block):
+            yield from _blocks(item)
+
+
+def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename) -> list[Match]:
+    builder = TreeBuilder(fn.nodes, inline=fn.inlinable)
+    memo: dict = {}
+    dsl_rules = [r for r in compiled if not isinstance(r, StructuralRule)]
+    structural = [r for r in compiled if isinstance(r, StructuralRule)]
+    ctx = Context(fn, builder, lambda e: normalize(e, memo), analysis.functions)
+    consumed: set[int] = set()          # id(cst) of expressions already folded into a match
+    found = []
+    for block in _blocks(fn.body):
+        nodes = [n for n in block.items if isinstance(n, Node)]
+        # Outer expressions come after their operands: trying them first keeps matches maximal.
+        for node in reversed(nodes):
+            if node.cst is None or node.op in ("=", "return", "store"):
+                continue
+            covered = id(node.cst) in consumed
+            if covered and not any(r.overlaps for r in structural):
+                continue
+            raw = builder.node(node)
+            tree = normalize(raw, memo)
+            hit = None if covered else _first_match(dsl_rules, tree)
+            phis, reason = [], None
+            if hit is not None:
+                rule, variant, env = hit
+                replace = variant.replace
+            else:
+                hit = _first_structural([r for r in structural if r.overlaps or not covered], ctx, node, raw, tree)
+                if hit is None:
+                    continue
+                rule, result = hit
+                env, replace, reason, phis = result.env, result.replace, result.reason, result.phis
+                raw = result.raw or raw
+            if replace is not None:
+                consumed |= {id(e.src) for e in raw.walk() if e.src is not None}
+            plan = _Plan(fn, node, raw, env, analysis, imports, phis)
+            first, last = plan.lines()
+            m = Match(rule.name, fn.cls, fn.name, first, last, False, reason, file=filename)
+            if replace is not None:
+                try:
+                    plan.apply(replace, edits)
+                    m.applied = True
+                except Refusal as exc:
+                    m.reason = str(exc)
+            found.append(m)
+    return sorted(found, key=lambda m: m.first_line)
+
+
+def _first_structural(rules, ctx, node, raw, tree):
+    for rule in rules:
+        result = rule.find(ctx, node, raw, tree)
+        if result is not None:
+            return rule, result
+    return None
+
+
+def _first_match(compiled, tree: Expr):
+    for rule in compiled:
+        for cv in rule.variants:
+            for env in match(cv.tree, tree, rule.rule.var_types):
+                return rule, cv.variant, env
+    return None
+
+
+class _Plan:
+    """What one match changes: the root expression and the `name = expr` lines folded into it."""
+
+    def __init__(self, fn: Function, node: Node, raw: Expr, env: dict, analysis, imports: Imports, phis=()):
+        self.fn, self.node, self.raw, self.env = fn, node, raw, env
+        self.analysis, self.imports = analysis, imports
+        self.stmt = node.stmt
+        self.phis = list(phis)                # `if` statements folded into the match: deleted whole
+        self.needed: set[str] = set()        # imports this edit needs; merged only if it applies
+        bound_vars = set().union(*(e.vars for e in env.values())) if env else set()
+        bodies = [p.body for p in self.phis]
+        inside = {v for v in raw.vars if v in fn.defs and fn.defs[v].stmt is not None
+                  and any(fn.defs[v].stmt.block is b for b in bodies)}
+        self.folded = [v for v in raw.vars if v not in fn.phis and (v not in bound_vars or v in inside)]
+        self.folded_stmts = [fn.defs[v].stmt for v in self.folded if v not in inside]
+        self.node_by_cst = {id(n.cst): n for n in fn.nodes if n.cst is not None}
+
+    def lines(self) -> tuple[int, int]:
+        pos = self.analysis.positions[self.node.cst]
+        first = min([pos.start.line] + [s.line for s in self.folded_stmts]
+                    + [self.analysis.positions[p.if_cst].start.line for p in self.phis])
+        return first, pos.end.line
+
+    def apply(self, replace: list, edits: Edits):
+        for s in self.folded_stmts:
+            if not isinstance(s.line_node, cst.SimpleStatementLine) or s.block is not self.stmt.block:
+                raise Refusal(f"line {s.line}: cannot remove this statement")
+        for p in self.phis:
+            if p.block is not self.stmt.block:
+                raise Refusal(f"line {self.analysis.positions[p.if_cst].start.line}: cannot remove this `if`")
+        mutated = sorted(v for v in self.raw.reads if v in self.fn.mutated)
+        if mutated:
+            raise Refusal(f"{mutated[0].split(':')[0]} is modified in place; not rewriting")
+        used = {n for line in replace for n in _names(line)}
+        texts = {name: self.source_of(e, name) for name, e in self.env.items() if name in used}
+        code = render(replace, texts, self.spell)
+        top = getattr(self.stmt.cst, "value", None) is self.node.cst
+        edits.replace_expr(self.node.cst, code, top)
+        self.imports.needed |= self.needed
+        edits.delete |= {id(s.cst) for s in self.folded_stmts} | {id(p.if_cst) for p in self.phis}
+        edits.keep_alive += [s.cst for s in self.folded_stmts] + [p.if_cst for p in self.phis]
+
+    def spell(self, qualname: str) -> str:
+        return self.imports.spell(qualname, self.fn.local_names, self.needed)
+
+    # -- printing what a variable is bound to, at the place of the root expression --------------
+    def visible(self, name: str) -> str | None:
+        """The value `name` holds at the root expression once the folded statements are gone."""
+        value = self.stmt.env.get(name)
+        while value is not None and any(self.fn.def_stmt.get(value) is s for s in self.folded_stmts):
+            value = self.fn.def_stmt[value].env.get(name)
+        return value
+
+    def check(self, name: str, value: str, var: str):
+        if self.visible(name) != value:
+            raise Refusal(f"{var} is `{name}` at line {self.fn.defs[value].line if value in self.fn.defs else '?'}, "
+                          f"but `{name}` holds another value where the replacement goes")
+
+    def source_of(self, e: Expr, var: str) -> str:
+        if e.var and e.var not in self.folded:
+            self.check(e.var.split(":")[0], e.var, var)
+            return e.var.split(":")[0]
+        if e.op == "leaf":
+            kind = e.value[0]
+            if kind == "var":
+                self.check(e.value[1].split(":")[0], e.value[1], var)
+                return e.value[1].split(":")[0]
+            if kind == "ref":
+                return self.spell(e.value[1])
+            for value in e.value[2]:
+                self.check(value.split(":")[0], value, var)
+            return e.value[1]
+        if e.op == "const":
+            return py_literal(e.value)
+        if e.op == "guard":       # a mask added only under `if name is not None:`
+            name, value = e.value
+            self.check(name, value, var)
+            inner = self.source_of(e.args[0], var)
+            return name if inner == name else f"{paren(inner)} if {name} is not None else None"
+        if e.src is not None:
+            owner = self.node_by_cst.get(id(e.src))
+            if not e.pure and owner is not None and owner.stmt is not self.stmt:
+                raise Refusal(f"{var} would move a call from line {owner.stmt.line}")
+            for n in _cst_names(e.src):
+                value = self.fn.name_version.get(id(n))
+                if value is not None:
+                    self.check(n.value, value, var)
+            # Without its own parentheses: the replacement adds them where precedence needs them.
+            return self.analysis.module.code_for_node(e.src.with_changes(lpar=[], rpar=[]))
+        if e.op == "." and e.args:
+            return f"{self.source_of(e.args[0], var)}.{e.value}"
+        # Made by normalization (`/ math.sqrt(d)` became `* rsqrt(d)`): print the normal form.
+        # `** -0.5` rather than torch.rsqrt: it works on Python numbers and tensors alike.
+        powers = {"rsqrt": "-0.5", "sqrt": "0.5"}
+        if e.op in powers and len(e.args) == 1 and not e.kw:
+            return f"{paren(self.source_of(e.args[0], var))} ** {powers[e.op]}"
+        if e.op == "**" and len(e.args) == 2:
+            return f"{paren(self.source_of(e.args[0], var))} ** {paren(self.source_of(e.args[1], var))}"
+        if e.op in ("*", "+"):
+            return f" {e.op} ".join(paren(self.source_of(a, var)) for a in e.args)
+        raise Refusal(f"cannot print the expression bound to {var}")
+
+
+def _names(node: Node) -> list[str]:
+    out = []
+
+    def visit(op):
+        if isinstance(op, Var):
+            out.append(op.name)
+        elif isinstance(op, (Attr, Item)):
+            visit(op.base)
+        elif isinstance(op, Tuple):
+            for i in op.items:
+                visit(i)
+        elif isinstance(op, Opaque):
+            out.extend(re.findall(r"\$[A-Za-z_][A-Za-z0-9_]*", op.code))
+
+    for op in list(node.args) + [v for _, v in node.kwargs] + ([node.module] if node.module else []):
+        visit(op)
+    return out
+
+
+def _cst_names(node):
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, cst.Name):
+            yield n
+        stack.extend(n.children)

@@ -1,0 +1,188 @@
+"""The kiln-kernel rules of issue 6: swiglu and linear_gelu rewrite to kiln.kernels when the activation
+is known; rope, dropout_add_layernorm, fused_qkv and linear_cross_entropy (and config activations) are
+reported with applied=false and a reason."""
+import pytest
+import torch
+
+from tests.adopt.helpers import assert_same_numerics, rewrite
+
+MLP = """\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden=8, inner=12):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.act_fn = {act}
+
+    def forward(self, x):
+{body}
+"""
+
+
+@pytest.mark.parametrize("act, body", [
+    ("nn.SiLU()", "        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"),
+    ("None", "        return self.down_proj(self.up_proj(x) * F.silu(self.gate_proj(x)))"),
+])
+def test_swiglu_known_silu_rewrites_to_kiln_kernel(act, body):
+    src, new, matches = rewrite(MLP.format(act=act, body=body), rules=["swiglu"])
+    assert [(m.rule, m.applied) for m in matches] == [("swiglu", True)]
+    assert "self.down_proj(kiln.kernels.swiglu(self.gate_proj(x), self.up_proj(x)))" in new
+    assert "\nimport kiln.kernels\n" in new
+    assert_same_numerics(src, new, "MLP")
+
+
+def test_swiglu_across_lines_refuses_to_move_the_call():
+    body = "        h = self.act_fn(self.gate_proj(x))\n        return self.down_proj(h * self.up_proj(x))"
+    src = MLP.format(act="nn.SiLU()", body=body)
+    _, new, matches = rewrite(src, rules=["swiglu"])
+    assert new == src and [m.applied for m in matches] == [False] and "move a call" in matches[0].reason
+
+
+def test_swiglu_config_activation_is_reported():
+    src = MLP.format(act="ACT2FN[config.hidden_act]",
+                     body="        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))")
+    src = src.replace("from torch import nn\n", "from torch import nn\nfrom transformers.activations import ACT2FN\n")
+    _, new, matches = rewrite(src, rules=["swiglu"])
+    assert new == src
+    assert [(m.rule, m.applied) for m in matches] == [("swiglu", False)] and "ACT2FN" in matches[0].reason
+
+
+@pytest.mark.parametrize("act, body", [
+    # a different activation: not SwiGLU
+    ("nn.ReLU()", "        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"),
+    # gate and up read different inputs
+    ("nn.SiLU()", "        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x + 1))"),
+])
+def test_swiglu_must_not_match(act, body):
+    src = MLP.format(act=act, body=body)
+    _, new, matches = rewrite(src, rules=["swiglu"])
+    assert matches == [] and new == src
+
+
+LINEAR_GELU = """\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, hidden=8, inner=12):
+        super().__init__()
+        self.fc = nn.Linear(hidden, inner{bias})
+        self.act = {act}
+
+    def forward(self, x):
+{body}
+"""
+
+
+@pytest.mark.parametrize("act, body, approx, bias", [
+    ("nn.GELU()", "        h = self.fc(x)\n        return self.act(h)", "none", ""),
+    ("nn.GELU(approximate='tanh')", "        return self.act(self.fc(x))", "tanh", ""),
+    ("None", '        return F.gelu(self.fc(x), approximate="tanh")', "tanh", ", bias=False"),
+    ("None", "        return F.gelu(self.fc(x))", "none", ""),
+])
+def test_linear_gelu_rewrites_to_kiln_kernel(act, body, approx, bias):
+    src, new, matches = rewrite(LINEAR_GELU.format(act=act, body=body, bias=bias), rules=["linear_gelu"])
+    assert [(m.rule, m.applied) for m in matches] == [("linear_gelu", True)]
+    assert f'kiln.kernels.linear_gelu(x, self.fc.weight, self.fc.bias, approximate="{approx}")' in new
+    assert_same_numerics(src, new, "Block", atol=1e-5)
+
+
+@pytest.mark.parametrize("act, body", [
+    ("nn.ReLU()", "        return self.act(self.fc(x))"),            # not a GELU
+    ("nn.GELU()", "        return self.act(self.fc(x) + 1)"),        # not straight from the linear
+    ("nn.GELU()", "        return self.act(x)"),
+])
+def test_linear_gelu_must_not_match(act, body):
+    src = LINEAR_GELU.format(act=act, body=body, bias="")
+    _, new, matches = rewrite(src, rules=["linear_gelu"])
+    assert matches == [] and new == src
+
+
+REPORTED = """\
+import torch
+from torch import nn
+from torch.nn import CrossEntropyLoss
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def not_rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = k * cos + not_rotate_half(k) * sin
+    return q_embed, k_embed
+
+
+class Layer(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, d)
+        self.v_proj = nn.Linear(d, d)
+        self.o_proj = nn.Linear(2 * d, d)
+        self.dropout = nn.Dropout(0.1)
+        self.norm = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, 100, bias=False)
+
+    def forward(self, h, residual, labels, other):
+        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(other)
+        q2, k2, v2 = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        out = self.norm(self.dropout(h) + residual)
+        logits = self.lm_head(out)
+        loss = None
+        if labels is not None:
+            shift_logits = logits[..., :-1, :].contiguous()
+            loss_fct = CrossEntropyLoss()
+            loss = loss_fct(shift_logits.view(-1, shift_logits.size(-1)), labels[..., 1:].reshape(-1))
+        plain = self.norm(h + residual)
+        return loss, logits, plain
+"""
+
+
+def test_report_only_detections():
+    src, new, matches = rewrite(REPORTED)
+    assert new == src
+    got = [(m.rule, m.cls, m.method, m.first_line, m.applied) for m in matches]
+    assert got == [
+        ("rope", None, "apply_rotary_pos_emb", 19, False),          # k_embed: not the half rotation
+        ("fused_qkv", "Layer", "forward", 36, False),               # q, k, v2 of `h` (v reads `other`)
+        ("dropout_add_layernorm", "Layer", "forward", 38, False),   # `plain` has no dropout
+        ("linear_cross_entropy", "Layer", "forward", 43, False),
+    ]
+    assert all(m.reason for m in matches)
+
+
+def test_fused_qkv_needs_equal_in_features_and_one_input():
+    src = REPORTED.replace("self.v_proj = nn.Linear(d, d)", "self.v_proj = nn.Linear(2 * d, d)")
+    _, _, matches = rewrite(src, rules=["fused_qkv"])
+    assert matches == []
+
+
+def test_swiglu_unequal_widths_is_refused():
+    src = MLP.format(act="nn.SiLU()", body="        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))")
+    src = src.replace("self.up_proj = nn.Linear(hidden, inner, bias=False)", "self.up_proj = nn.Linear(hidden, 1)")
+    _, new, matches = rewrite(src, rules=["swiglu"])
+    assert new == src and [m.applied for m in matches] == [False] and "out_features" in matches[0].reason
+
+
+def test_cross_entropy_of_a_classifier_is_not_linear_cross_entropy():
+    src = REPORTED.replace("self.lm_head", "self.classifier")
+    _, _, matches = rewrite(src, rules=["linear_cross_entropy"])
+    assert matches == []
