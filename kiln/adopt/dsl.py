@@ -12,6 +12,7 @@ grammar error names the file, line and column of the first token that does not f
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 
 from lark import Lark, Transformer, v_args
@@ -364,6 +365,29 @@ def parse(text: str, filename: str = "<string>") -> list:
 
 # ----------------------------------------------------------------------------------------------
 # Objects -> text
+
+def operand_names(node: "Node", on_var=None) -> list[str]:
+    """Names of the variables a node reads, in order (inside attributes, subscripts, tuples and `$x`
+    references in opaque code); `on_var(var)` is called on each Var operand (rules validate them)."""
+    names: list[str] = []
+
+    def visit(op):
+        if isinstance(op, Var):
+            if on_var is not None:
+                on_var(op)
+            names.append(op.name)
+        elif isinstance(op, (Attr, Item)):
+            visit(op.base)
+        elif isinstance(op, Tuple):
+            for i in op.items:
+                visit(i)
+        elif isinstance(op, Opaque):
+            names.extend(re.findall(r"\$[A-Za-z_][A-Za-z0-9_]*", op.code))
+
+    for op in list(node.args) + [v for _, v in node.kwargs] + ([node.module] if node.module else []):
+        visit(op)
+    return names
+
 
 def format_operand(op) -> str:
     if isinstance(op, Var):

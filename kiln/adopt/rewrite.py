@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import ast
-import re
 from dataclasses import dataclass
 
 import libcst as cst
 
 from kiln.adopt import rules as rules_mod
 from kiln.adopt.analysis import Block, Function, analyze
-from kiln.adopt.dsl import Attr, Item, Node, Opaque, Tuple, Var
+from kiln.adopt.dsl import Node, operand_names
 from kiln.adopt.expr import Expr, TreeBuilder, normalize
 from kiln.adopt.match import match
 from kiln.adopt.structural import Context, StructuralRule
@@ -259,22 +258,7 @@ class _Plan:
 
 
 def _names(node: Node) -> list[str]:
-    out = []
-
-    def visit(op):
-        if isinstance(op, Var):
-            out.append(op.name)
-        elif isinstance(op, (Attr, Item)):
-            visit(op.base)
-        elif isinstance(op, Tuple):
-            for i in op.items:
-                visit(i)
-        elif isinstance(op, Opaque):
-            out.extend(re.findall(r"\$[A-Za-z_][A-Za-z0-9_]*", op.code))
-
-    for op in list(node.args) + [v for _, v in node.kwargs] + ([node.module] if node.module else []):
-        visit(op)
-    return out
+    return operand_names(node)
 
 
 def _cst_names(node):

@@ -7,13 +7,11 @@ result, a rule name used twice) are reported with file and line too.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.adopt import canon
-from kiln.adopt.dsl import (BINARY_OPS, Attr, DSLError, Item, Node, Opaque, Ref, Rule, Structure, Tuple, Var,
-                            Variant, parse)
+from kiln.adopt.dsl import BINARY_OPS, DSLError, Node, Ref, Rule, Structure, Variant, operand_names, parse
 from kiln.adopt.expr import Expr, TreeBuilder, normalize
 from kiln.adopt.match import match
 
@@ -183,21 +181,7 @@ def _check_lines(lines: list[Node], bound: set | None, where: str):
 
 
 def _operand_vars(node: Node, where: str) -> list[str]:
-    names = []
-
-    def visit(op):
-        if isinstance(op, Var):
-            if not op.is_pattern:
-                raise DSLError(f"{where}, line {node.line}: {op.name!r}: rule variables start with `$`")
-            names.append(op.name)
-        elif isinstance(op, (Attr, Item)):
-            visit(op.base)
-        elif isinstance(op, Tuple):
-            for i in op.items:
-                visit(i)
-        elif isinstance(op, Opaque):
-            names.extend(re.findall(r"\$[A-Za-z_][A-Za-z0-9_]*", op.code))
-
-    for op in list(node.args) + [v for _, v in node.kwargs] + ([node.module] if node.module else []):
-        visit(op)
-    return names
+    def check(var):
+        if not var.is_pattern:
+            raise DSLError(f"{where}, line {node.line}: {var.name!r}: rule variables start with `$`")
+    return operand_names(node, check)
