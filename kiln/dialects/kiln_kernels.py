@@ -1,15 +1,22 @@
 """The `kiln` dialect: Kiln's fused kernel library (`kiln.kernels`, custom ops `torch.ops.kiln.*`).
 
 Each op's kernel is the custom op itself: on CPU its ATen implementation, on CUDA the
-implementation registered in `kiln.kernels.GPU_IMPLS` (the ATen one until then). No lowering: a
-model opts in by calling `kiln.kernels.*`, and capture keeps those calls as single nodes.
-With the dialect disabled (`kiln.dialects("aten")`), the nodes still run the same custom op, as
-the generic kernel every OpOverload has, since Kiln cannot take an opaque custom op apart.
+implementation registered in `kiln.kernels.GPU_IMPLS` (the ATen one until then). A model opts in
+by calling `kiln.kernels.*` (capture keeps those calls as single nodes), or the dialect's fusions
+below turn unfused code into these ops (written-out RMSNorm, RoPE pairs, SwiGLU, a large-vocabulary
+lm_head + cross-entropy). With the dialect disabled (`kiln.dialects("aten")`), nothing is fused and
+nodes a model created itself still run the same custom op, as the generic kernel every OpOverload
+has, since Kiln cannot take an opaque custom op apart.
 """
 from __future__ import annotations
 
-from kiln.dialects.registry import dialect, kernel
+import torch
+
+from kiln.dialects.registry import dialect, fusion, kernel
+from kiln.ir.graph import Value
+from kiln.ir.pattern import Lit, Op, Opt, Seq, V
 from kiln.kernels import OPS
+from kiln.ops.common import reshape, shape
 
 KILN = dialect("kiln", priority=5, devices=("cpu", "cuda"),
                doc="Kiln's fused kernels: norms, SwiGLU, Linear+GELU, RoPE, chunked Linear+cross-entropy")
@@ -19,13 +26,6 @@ for _name, _op in OPS.items():
 
 
 # ---- fusions: unfused subgraphs -> kiln kernels (the `fuse` pass) ------------------------------
-import torch  # noqa: E402
-
-from kiln.dialects.registry import fusion  # noqa: E402
-from kiln.ir.graph import Value  # noqa: E402
-from kiln.ir.pattern import Lit, Op, Opt, Seq, V  # noqa: E402
-from kiln.ops.common import reshape, shape  # noqa: E402
-
 aten, kiln_ops = torch.ops.aten, torch.ops.kiln
 CAST = aten._to_copy.default
 MUL = aten.mul.Tensor
