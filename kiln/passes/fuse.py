@@ -82,12 +82,11 @@ def _apply(graph: Graph, f: registry.Fusion) -> int:
         return 0
     nodes: list[Node] = []
     fix = lambda v: subst.get(v, v)  # noqa: E731
-    for i, n in enumerate(graph.nodes):
-        nodes.extend(inserts.get(i, ()))
-        if n.uid in removed:
-            continue
-        n.args, n.kwargs = tree_map_values(fix, n.args), tree_map_values(fix, n.kwargs)
-        nodes.append(n)
+    for i, old in enumerate(graph.nodes):
+        # fused ops too: one may read the root of another match (gelu(gelu(x)) fuses twice)
+        for n in [*inserts.get(i, ()), *([] if old.uid in removed else [old])]:
+            n.args, n.kwargs = tree_map_values(fix, n.args), tree_map_values(fix, n.kwargs)
+            nodes.append(n)
     graph.nodes = nodes
     graph.outputs = [fix(v) for v in graph.outputs]
     graph.mutations = [(t, fix(v)) for t, v in graph.mutations]

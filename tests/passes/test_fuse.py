@@ -12,6 +12,8 @@ import torch
 
 import kiln
 from kiln.dialects import registry
+from kiln.ir.builder import Builder
+from kiln.ir.graph import Phase
 from kiln.ir.pattern import Lit, Op, Opt, Seq, V, match
 from kiln.passes.fuse import fuse
 from tests.passes.graphs import aten, count, graph_with_inputs, run
@@ -171,6 +173,20 @@ def test_gelu_tanh_formula_becomes_atens_fused_gelu():
     assert [(n.target, n.kwargs) for n in g.nodes] == [(aten.gelu.default, {"approximate": "tanh"})]
     want = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x.pow(3))))
     torch.testing.assert_close(run(g, x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_fused_op_reading_another_fused_op_gets_its_replacement():
+    x = torch.randn(16, dtype=torch.float64)
+    g = gelu_tanh_graph(x)
+    (xv,), inner = g.inputs, g.outputs[0]
+    b = Builder(g, Phase.FORWARD)
+    t = b(aten.tanh.default, b(aten.mul.Tensor, b(aten.add.Tensor, inner, b(aten.mul.Tensor, b(
+        aten.pow.Tensor_Scalar, inner, 3.0), 0.044715)), math.sqrt(2 / math.pi)))
+    g.outputs = [b(aten.mul.Tensor, b(aten.mul.Tensor, inner, 0.5), b(aten.add.Tensor, t, 1.0))]
+    assert fuse(g, ALL, "forward") == 2
+    assert [n.target for n in g.nodes] == [aten.gelu.default] * 2 and g.nodes[1].args[0] is g.nodes[0].outputs[0]
+    gelu = torch.nn.functional.gelu
+    torch.testing.assert_close(run(g, x), gelu(gelu(x, approximate="tanh"), approximate="tanh"))
 
 
 def test_a_different_constant_is_not_gelu():
