@@ -65,8 +65,7 @@ def upcast_kernel(op):
             margs, mkwargs = pytree.tree_unflatten(meta, spec)
             native_dtypes[signature] = [o.dtype if isinstance(o, torch.Tensor) else None
                                         for o in pytree.tree_leaves(op(*margs, **mkwargs))]
-        up = [x.float() if isinstance(x, torch.Tensor) and x.dtype in LOW else x for x in flat]
-        uargs, ukwargs = pytree.tree_unflatten(up, spec)
+        uargs, ukwargs = pytree.tree_unflatten([_up(x) for x in flat], spec)
         out = op(*uargs, **ukwargs)
         leaves, out_spec = pytree.tree_flatten(out)
         leaves = [o.to(dt) if isinstance(o, torch.Tensor) and dt is not None and o.dtype != dt else o
@@ -75,7 +74,6 @@ def upcast_kernel(op):
 
     name = getattr(op, "__name__", "op")
     run.__name__ = run.__qualname__ = f"upcast_{name.replace('.', '_')}"
-    run.op = op
     return run
 
 
@@ -120,7 +118,7 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     low = next(t.dtype for t in (x, weight, bias) if isinstance(t, torch.Tensor) and t.dtype in LOW)
     k, n = x.shape[-1], weight.shape[0]
     rows = x.numel() // k if k else 0
-    if 4 * rows * (k + n) <= SLICE_BYTES or x.dim() < 1:
+    if 4 * rows * (k + n) <= SLICE_BYTES:
         return torch.nn.functional.linear(_up(x), _up(weight), _up(bias)).to(low)
     x2 = x.reshape(rows, k)
     wf, bf = _up(weight), _up(bias)
@@ -133,7 +131,7 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def upcast_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
     """bias + a @ b (beta/alpha as aten.addmm); rows of a in slices when big."""
     if beta != 1 or alpha != 1:
-        return upcast_kernel(aten.addmm.default)(bias, a, b, beta=beta, alpha=alpha)
+        return _addmm_scaled(bias, a, b, beta=beta, alpha=alpha)
     low = next(t.dtype for t in (a, b, bias) if t.dtype in LOW)
     (m, k), n = a.shape, b.shape[1]
     bf, bb = _up(b), _up(bias)
@@ -145,7 +143,7 @@ def upcast_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1
     return out
 
 
-upcast_mm.op, upcast_linear.op, upcast_addmm.op = aten.mm.default, aten.linear.default, aten.addmm.default
+_addmm_scaled = upcast_kernel(aten.addmm.default)      # beta/alpha != 1: unsliced, rare
 SLICED = {aten.mm.default: upcast_mm, aten.linear.default: upcast_linear, aten.addmm.default: upcast_addmm}
 
 

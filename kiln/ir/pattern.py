@@ -84,7 +84,7 @@ class Lit(Pattern):
     def match(self, x, m):
         if isinstance(x, Value):
             return False
-        ok = self.value(x) if callable(self.value) else _same(x, self.value) or x == self.value
+        ok = self.value(x) if callable(self.value) else x == self.value
         if ok and self.name:
             m.bindings[self.name] = x
         return bool(ok)
