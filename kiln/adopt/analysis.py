@@ -78,6 +78,7 @@ class Function:
     phis: dict = field(default_factory=dict)   # value after an `if` without else -> Phi
     init: dict = field(default_factory=dict)   # self attribute -> [expressions __init__ assigns to it]
     resolver: object = None
+    merges: dict = field(default_factory=dict)  # value after if/else, with, try -> versions it may hold
 
     @property
     def title(self) -> str:
@@ -112,17 +113,31 @@ def analyze(source: str) -> ModuleAnalysis:
     positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
     resolver = Resolver(module)
     functions = []
+    classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
     for stmt in module.body:
         if isinstance(stmt, cst.FunctionDef):
             functions.append(_FunctionAnalyzer(stmt, None, {}, resolver, positions).run())
         elif isinstance(stmt, cst.ClassDef):
             methods = [s for s in stmt.body.body if isinstance(s, cst.FunctionDef)]
-            init = next((m for m in methods if m.name.value == "__init__"), None)
+            init = _inherited_init(stmt, classes)
             types, exprs = _self_types(init, resolver) if init is not None else ({}, {})
             for m in methods:
                 fn = _FunctionAnalyzer(m, stmt.name.value, types, resolver, positions, exprs).run()
                 functions.append(fn)
     return ModuleAnalysis(module, functions, positions, source)
+
+
+def _inherited_init(cls: cst.ClassDef, classes: dict, depth: int = 0):
+    """The `__init__` a class runs: its own, else that of its single base class when that base is
+    defined in the same file (`LlamaFlashAttention2(LlamaAttention)` builds q/k/v in the base's)."""
+    own = next((s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"), None)
+    if own is not None or depth > 8:
+        return own
+    bases = [b.value for b in cls.bases if b.keyword is None]
+    if len(bases) == 1 and isinstance(bases[0], cst.Name) and bases[0].value in classes \
+            and classes[bases[0].value] is not cls:
+        return _inherited_init(classes[bases[0].value], classes, depth + 1)
+    return None
 
 
 class Resolver:
@@ -223,6 +238,7 @@ class _FunctionAnalyzer:
         self.fn, self.cls, self.self_types = fn, cls, self_types
         self.init_exprs = init_exprs or {}
         self.phis: dict = {}
+        self.merges: dict = {}
         self.resolver, self.positions = resolver, positions
         self.env: dict[str, str] = {}
         self.versions: Counter = Counter()
@@ -252,7 +268,8 @@ class _FunctionAnalyzer:
         block = self.run_block(body, "body")
         return Function(self.cls, self.fn.name.value, self.params, self.line(self.fn), block, self.fn,
                         self.nodes, self.uses, self.reader_block, self.defs, self.def_stmt, self.mutated,
-                        self.local_names, self.name_version, self.phis, self.init_exprs, self.resolver)
+                        self.local_names, self.name_version, self.phis, self.init_exprs, self.resolver,
+                        self.merges)
 
     def line(self, node) -> int:
         return self.positions[node].start.line
@@ -371,6 +388,7 @@ class _FunctionAnalyzer:
 
     def compound(self, st):
         assigned = _assigned_names([st])
+        ends = []                               # the environments control can leave the statement with
         if isinstance(st, (cst.For, cst.While)):
             # Loop-carried values: reads in the body may see any iteration's value.
             header = st.iter if isinstance(st, cst.For) else st.test
@@ -391,16 +409,18 @@ class _FunctionAnalyzer:
                     value = self.new_version(name)
                     self.phis[value] = Phi(value, before.get(name), inner.get(name, value), st, outer, body, before)
                 return
-            if st.orelse is not None:
-                self.env = dict(before)
-                if isinstance(st.orelse, cst.If):
-                    self.compound(st.orelse)
-                else:
-                    self.run_block(st.orelse.body, "else")
+            ends.append(dict(self.env))
+            self.env = dict(before)
+            if isinstance(st.orelse, cst.If):
+                self.compound(st.orelse)
+            else:
+                self.run_block(st.orelse.body, "else")
+            ends.append(dict(self.env))
         elif isinstance(st, cst.With):
             for item in st.items:
                 self.opaque_reads(item.item)
             self.run_block(st.body, "with")
+            ends.append(dict(self.env))
         elif isinstance(st, cst.Try):
             self.run_block(st.body, "try")
             for handler in st.handlers:
@@ -411,7 +431,9 @@ class _FunctionAnalyzer:
         else:                                   # nested def/class, match, async forms: opaque
             self.opaque_reads(st)
         for name in assigned:                   # after a branch/loop a name may hold either value
-            self.new_version(name)
+            value = self.new_version(name)
+            if ends:
+                self.merges[value] = {e[name] for e in ends if e.get(name)}
 
     # -- expressions ----------------------------------------------------------------------------
     def expr(self, e):

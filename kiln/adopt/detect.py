@@ -14,10 +14,12 @@ A reported location has `applied: false` and the reason the rewrite is not made.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import libcst as cst
 
-from kiln.adopt.dsl import Attr, Const, Item, Node, Tuple, Var
+from kiln.adopt.configs import GELU_NAMES, SILU_NAMES
+from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Tuple, Var
 from kiln.adopt.structural import Context, Found, StructuralRule
 
 LINEAR = "torch.nn.Linear"
@@ -32,8 +34,10 @@ def _flat(text: str) -> str:
 
 
 def activation(ctx: Context, e) -> tuple[str | None, str | None]:
-    """What an activation call computes: ("silu" | "gelu", approximate) when the source says so,
-    ("config", None) for an ACT2FN / get_activation lookup (known only at run time), else (None, None)."""
+    """What an activation call computes: ("silu" | "gelu", approximate) when the source says so;
+    ("config", key) for an ACT2FN / get_activation lookup, known only at run time, with `key` the
+    lookup's default (a literal key, or the config field's default read by ConfigDefaults) or None
+    when that cannot be told; else (None, None)."""
     kw = dict(e.kw)
     if e.op == "torch.nn.functional.silu" and set(kw) <= {"inplace"}:
         return "silu", None
@@ -47,9 +51,11 @@ def activation(ctx: Context, e) -> tuple[str | None, str | None]:
     ctors = ctx.init_exprs(kw.get("__module__"))
     if not ctors:
         return None, None
-    if any(isinstance(c, cst.Subscript) and ctx.qualname(c.value).endswith("ACT2FN") or
-           isinstance(c, cst.Call) and ctx.qualname(c.func).endswith("get_activation") for c in ctors):
-        return "config", None
+    lookups = [c for c in ctors if isinstance(c, cst.Subscript) and ctx.qualname(c.value).endswith("ACT2FN") or
+               isinstance(c, cst.Call) and ctx.qualname(c.func).endswith("get_activation")]
+    if lookups:
+        keys = {_lookup_key(ctx, c) for c in lookups}
+        return "config", keys.pop() if len(keys) == 1 else None
     if len(ctors) != 1 or not isinstance(ctors[0], cst.Call):
         return None, None
     ctor = ctors[0]
@@ -66,11 +72,35 @@ def activation(ctx: Context, e) -> tuple[str | None, str | None]:
     return None, None
 
 
+def _config_known(ctx: Context) -> bool:
+    """Was the configuration module read? Then a lookup whose default it does not give (T5's
+    `dense_act_fn`, derived in __init__) is not known to be any activation: not a location. Without
+    it (a file on its own) a lookup may be anything, and the guarded rewrite is right either way."""
+    return ctx.configs is not None and bool(ctx.configs.classes)
+
+
+def _lookup_key(ctx: Context, lookup) -> str | None:
+    """The ACT2FN key a lookup uses by default: `ACT2FN["gelu"]` -> "gelu"; `ACT2FN[config.hidden_act]`
+    -> the `hidden_act` default of the imported configuration class; None when unknown."""
+    if isinstance(lookup, cst.Subscript):
+        if len(lookup.slice) != 1 or not isinstance(lookup.slice[0].slice, cst.Index):
+            return None
+        key = lookup.slice[0].slice.value
+    else:
+        if len(lookup.args) != 1:
+            return None
+        key = lookup.args[0].value
+    if isinstance(key, cst.SimpleString):
+        value = key.evaluated_value
+        return value if isinstance(value, str) else None
+    if isinstance(key, cst.Attribute) and ctx.configs is not None:
+        value = ctx.configs.default(key.attr.value)
+        return value if isinstance(value, str) else None
+    return None
+
+
 def _linear_module(e):
     return dict(e.kw).get("__module__") if e.op == LINEAR and len(e.args) == 1 else None
-
-
-CONFIG_ACT = "the activation is looked up from the config (ACT2FN) at run time, so it is not known to be {}"
 
 
 # -- swiglu --------------------------------------------------------------------------------------
@@ -86,12 +116,16 @@ def _find_swiglu(ctx: Context, node: Node, raw, tree):
         x, x2 = gate.args[0], up.args[0]
         if x.key != x2.key or not x.pure or gate.key == up.key:
             continue
-        kind, _ = activation(ctx, act)
-        if kind == "config":
-            return Found({}, None, CONFIG_ACT.format("SiLU"))
+        kind, key = activation(ctx, act)
+        env = {"$gate": gate, "$up": up, "$down": down}
+        if kind == "config" and (key in SILU_NAMES or key is None and not _config_known(ctx)):
+            # SiLU by the config's default: checked again on every call by kiln.kernels.act_mul
+            module = dict(act.kw).get("__module__")
+            env["$act"] = module
+            return Found(env, [Node("kiln.kernels.act_mul", (Var("$act"), Var("$gate"), Var("$up")), out=Var("$h")),
+                               Node(LINEAR, (Var("$h"),), module=Var("$down"))])
         if kind != "silu":
             continue
-        env = {"$gate": gate, "$up": up, "$down": down}
         widths = {_ctor_arg(ctx, _linear_module(t), 1, "out_features") for t in (gate, up)}
         if len(widths) != 1 or None in widths:       # the kernel takes equal shapes, no broadcasting
             return Found(env, None, "cannot tell from __init__ that gate and up have the same out_features")
@@ -103,16 +137,25 @@ def _find_swiglu(ctx: Context, node: Node, raw, tree):
 
 # -- linear_gelu ---------------------------------------------------------------------------------
 
+def _is_conv1d(e) -> bool:
+    """transformers' Conv1D (GPT-2): a linear layer storing its weight transposed, (in, out)."""
+    return e.op.endswith("pytorch_utils.Conv1D") and len(e.args) == 1 and "__module__" in dict(e.kw)
+
+
 def _find_linear_gelu(ctx: Context, node: Node, raw, tree):
-    if len(tree.args) != 1 or _linear_module(tree.args[0]) is None:
+    if len(tree.args) != 1 or (_linear_module(tree.args[0]) is None and not _is_conv1d(tree.args[0])):
         return None
     kind, approx = activation(ctx, tree)
-    if kind == "config":
-        return Found({}, None, CONFIG_ACT.format("GELU"))
+    linear = tree.args[0]
+    env = {"$x": linear.args[0], "$fc": dict(linear.kw)["__module__"]}
+    if _is_conv1d(linear) and kind == "gelu":     # linear_act knows Conv1D's transposed weight
+        kind, approx = "config", "gelu"
+    if kind == "config" and (approx in GELU_NAMES or approx is None and not _config_known(ctx)):
+        # GELU by the config's default: checked again on every call by kiln.kernels.linear_act
+        env["$act"] = dict(tree.kw)["__module__"]
+        return Found(env, [Node("kiln.kernels.linear_act", (Var("$x"), Var("$fc"), Var("$act")))])
     if kind != "gelu":
         return None
-    linear = tree.args[0]
-    env = {"$x": linear.args[0], "$fc": _linear_module(linear)}
     lines = [Node("kiln.kernels.linear_gelu", (Var("$x"), Attr(Var("$fc"), "weight"), Attr(Var("$fc"), "bias")),
                   (("approximate", Const(approx)),))]
     return Found(env, lines)
@@ -142,13 +185,26 @@ def is_rotate_half(fn) -> bool:
         d = fn.defs.get(value.name)
         while d is not None and d.op == "=" and isinstance(d.args[0], Var):
             d = fn.defs.get(d.args[0].name)
-        item = d.args[0] if d is not None and d.op == "=" else None
+        item = d.args[0] if d is not None and d.op == "=" else _unpacked(fn, value.name)
         return isinstance(item, Item) and item.base == Var(p) and _flat(item.index) == index_text
 
     return (half(neg.args[0], f"...,{p}.shape[-1]//2:") and half(pair.items[1], f"...,:{p}.shape[-1]//2"))
 
 
-def _find_rope(ctx: Context, node: Node, raw, tree):
+def _unpacked(fn, value: str):
+    """The operand a tuple assignment `x1, x2 = a, b` gives the value `x1:1` (a), or None."""
+    name = value.split(":")[0]
+    for n in fn.nodes:
+        if n.op == "store" and len(n.args) == 2 and isinstance(n.args[0], Opaque) and isinstance(n.args[1], Tuple):
+            targets = [t.strip() for t in n.args[0].code.split(",")]
+            if name in targets and len(targets) == len(n.args[1].items) \
+                    and fn.def_stmt.get(value) is not None and fn.def_stmt[value].cst is n.stmt.cst:
+                return n.args[1].items[targets.index(name)]
+    return None
+
+
+def _rope_parts(ctx: Context, tree):
+    """(x, cos, sin) of `x * cos + rotate_half(x) * sin` (any order), or None."""
     if tree.op != "+" or len(tree.args) != 2 or not all(t.op == "*" and len(t.args) == 2 for t in tree.args):
         return None
     for plain, rotated in (tree.args, reversed(tree.args)):
@@ -156,13 +212,82 @@ def _find_rope(ctx: Context, node: Node, raw, tree):
             if len(rot.args) != 1 or rot.kw or not is_rotate_half(ctx.functions.get(rot.op)):
                 continue
             x = rot.args[0]
-            if x.pure and any(f.key == x.key for f in plain.args) and sin.op != "const":
-                return Found({}, None, "kiln.kernels.rope rotates q and k in one call; rewriting each "
-                                       "`t * cos + rotate_half(t) * sin` separately is not enabled")
+            if not x.pure or sin.op == "const":
+                continue
+            cos = [f for f in plain.args if f.key != x.key]
+            if len(cos) == 1 and len(plain.args) == 2:
+                return x, cos[0], sin
     return None
 
 
+ROPE_ALONE = ("kiln.kernels.rope rotates q and k in one call; this rotation has no partner with the same "
+              "cos/sin in a neighbouring `name = ...` statement (or sits inside a larger expression)")
+
+
+def _find_rope(ctx: Context, node: Node, raw, tree):
+    return Found({}, None, ROPE_ALONE) if _rope_parts(ctx, tree) is not None else None
+
+
+@dataclass
+class StatementRewrite:
+    """A rewrite of whole statements: `replace` (statement -> new code) and `delete`."""
+    first_line: int
+    last_line: int
+    replace: dict
+    delete: list
+    needs: set          # qualified names the new code spells (imports)
+
+
+def _plain_name(e) -> str | None:
+    return e.value[1] if e.op == "leaf" and e.value[0] == "var" else None
+
+
+def rope_pairs(ctx: Context, spell) -> list[StatementRewrite]:
+    """`q_embed = q * cos + rotate_half(q) * sin` and `k_embed = k * cos + ...` in adjacent statements,
+    same cos and sin, plain names -> `q_embed, k_embed = kiln.kernels.rope(q, k, cos, sin)`."""
+    fn = ctx.fn
+    hits = []
+    for node in fn.nodes:
+        stmt = node.stmt
+        if stmt is None or stmt.target is None or getattr(stmt.cst, "value", None) is not node.cst \
+                or not isinstance(stmt.cst, cst.Assign) or len(stmt.cst.targets) != 1:
+            continue
+        parts = _rope_parts(ctx, ctx.normalize(ctx.builder.node(node)))
+        names = [_plain_name(p) for p in parts] if parts else []
+        if parts and all(names) and not any(n in fn.mutated for n in names):
+            hits.append((node, stmt, names))
+    out, used = [], set()
+    for (n1, s1, (x1, c1, s1n)), (n2, s2, (x2, c2, s2n)) in zip(hits, hits[1:]):
+        if id(s1) in used or (c1, s1n) != (c2, s2n) or x1 == x2 or s1.block is not s2.block:
+            continue
+        block = [i for i in s1.block.items if isinstance(i, Node) and i.stmt is not None]
+        stmts = []
+        for i in block:
+            if i.stmt not in stmts:
+                stmts.append(i.stmt)
+        if s1 not in stmts or s2 not in stmts or stmts.index(s2) != stmts.index(s1) + 1:
+            continue
+        if s1.line_node is s2.line_node:
+            continue                              # `a = ...; b = ...` on one line: leave it
+        t1, t2 = s1.target, s2.target
+        py = lambda v: v.split(":")[0]  # noqa: E731
+        # operands are read at the first statement: the second must not see a value the first changes
+        if py(t1) in {py(x2), py(c2), py(s2n)} or len({py(t1), py(t2)}) != 2 \
+                or any(s1.env.get(py(v)) != v for v in (x1, x2, c1, s1n)):
+            continue
+        code = f"{py(t1)}, {py(t2)} = {spell('kiln.kernels.rope')}({py(x1)}, {py(x2)}, {py(c1)}, {py(s1n)})"
+        used |= {id(s1), id(s2)}
+        out.append(StatementRewrite(n1.line, n2.line, {id(s1.cst): (s1.cst, code)}, [s2.cst], {"kiln.kernels"}))
+    return out
+
+
 # -- dropout_add_layernorm -----------------------------------------------------------------------
+
+DROPOUT_ADD_LN_REASON = ("kiln.kernels.dropout_add_layer_norm draws its own dropout mask and returns the "
+                         "new residual too; this rewrite is not enabled")
+_LAYER_NORMS = ("torch.nn.LayerNorm", "torch.nn.functional.layer_norm")
+_DROPOUTS = ("torch.nn.Dropout", "dropout")
+
 
 def _find_dropout_add_layernorm(ctx: Context, node: Node, raw, tree):
     if tree.op != "torch.nn.LayerNorm" or len(tree.args) != 1:
@@ -170,10 +295,33 @@ def _find_dropout_add_layernorm(ctx: Context, node: Node, raw, tree):
     s = tree.args[0]
     if s.op != "+" or len(s.args) != 2:
         return None
-    if not any(t.op in ("torch.nn.Dropout", "dropout") for t in s.args):
+    if not any(t.op in _DROPOUTS for t in s.args):
         return None
-    return Found({}, None, "kiln.kernels.dropout_add_layer_norm draws its own dropout mask and returns the "
-                           "new residual too; this rewrite is not enabled")
+    return Found({}, None, DROPOUT_ADD_LN_REASON)
+
+
+def _copied_from(fn, operand):
+    """The node computing `operand`, looking through plain `a = b` copies."""
+    node = fn.defs.get(operand.name) if isinstance(operand, Var) else None
+    while node is not None and node.op == "=" and isinstance(node.args[0], Var):
+        node = fn.defs.get(node.args[0].name)
+    return node
+
+
+def dropout_add_layernorm_locations(ctx: Context) -> list[tuple[int, int, str]]:
+    """LayerNorm(Dropout(h) + residual) where the sum is also read elsewhere (kept as the next
+    residual, so no single expression tree holds the pattern)."""
+    fn, out = ctx.fn, []
+    for node in fn.nodes:
+        if node.op not in _LAYER_NORMS or not node.args:
+            continue
+        add = _copied_from(fn, node.args[0])
+        if add is None or add.op != "+" or len(add.args) != 2:
+            continue
+        drop = next((d for d in (_copied_from(fn, a) for a in add.args) if d is not None and d.op in _DROPOUTS), None)
+        if drop is not None:
+            out.append((min(drop.line, add.line), node.line, DROPOUT_ADD_LN_REASON))
+    return out
 
 
 # -- fused_qkv -----------------------------------------------------------------------------------
@@ -209,8 +357,19 @@ _PASS = {".view", ".reshape", "to", ".contiguous", ".flatten", "="}
 CROSS_ENTROPY = ("torch.nn.functional.cross_entropy", "torch.nn.CrossEntropyLoss")
 
 
-def _source_linear(fn, operand, depth=0):
-    """Follow `operand` back through views, casts and slices to an `lm_head` nn.Linear call, or None."""
+def _is_lm_head(ctx: Context, node: Node) -> bool:
+    """An nn.Linear producing vocabulary logits: named `lm_head`, or built with a vocab-size width."""
+    if node.op != LINEAR or node.module is None:
+        return False
+    if getattr(node.module, "name", "") == "lm_head":
+        return True
+    width = _ctor_arg(ctx, ctx.builder.operand(node.module), 1, "out_features")
+    return width is not None and "vocab" in width.lower()
+
+
+def _source_linear(ctx: Context, operand, depth=0):
+    """Follow `operand` back through views, casts, slices and branches to an LM-head nn.Linear, or None."""
+    fn = ctx.fn
     while depth < 20:
         depth += 1
         if isinstance(operand, Item):
@@ -221,9 +380,15 @@ def _source_linear(fn, operand, depth=0):
         node = fn.defs.get(operand.name)
         if node is None:
             phi = fn.phis.get(operand.name)
-            operand = Var(phi.before) if phi is not None and phi.before else None
-            continue
-        if node.op == LINEAR and node.module is not None and getattr(node.module, "name", "") == "lm_head":
+            if phi is not None:
+                operand = Var(phi.before) if phi.before else None
+                continue
+            for pred in sorted(fn.merges.get(operand.name, ())):     # logits computed on if/else paths
+                hit = _source_linear(ctx, Var(pred), depth)
+                if hit is not None:
+                    return hit
+            return None
+        if _is_lm_head(ctx, node):
             return node
         if node.op not in _PASS or not node.args:
             return None
@@ -239,7 +404,7 @@ def _find_linear_cross_entropy(ctx: Context, node: Node, raw, tree):
         op = d.op if d is not None and not d.args else op
     if op not in CROSS_ENTROPY or not node.args:
         return None
-    if _source_linear(fn, node.args[0]) is None:
+    if _source_linear(ctx, node.args[0]) is None:
         return None
     return Found({}, None, "kiln.kernels.linear_cross_entropy (logits never materialized) is not applied: "
                            "the logits are computed and returned by the surrounding code")
@@ -248,9 +413,10 @@ def _find_linear_cross_entropy(ctx: Context, node: Node, raw, tree):
 DETECTIONS = [
     StructuralRule("swiglu", "down(silu(gate(x)) * up(x)) -> down(kiln.kernels.swiglu(gate(x), up(x)))", _find_swiglu),
     StructuralRule("linear_gelu", "gelu(fc(x)) -> kiln.kernels.linear_gelu(x, fc.weight, fc.bias)", _find_linear_gelu),
-    StructuralRule("rope", "x * cos + rotate_half(x) * sin (report only)", _find_rope),
+    StructuralRule("rope", "q * cos + rotate_half(q) * sin; k ... -> kiln.kernels.rope(q, k, cos, sin)", _find_rope,
+                   statements=rope_pairs),
     StructuralRule("dropout_add_layernorm", "LayerNorm(Dropout(h) + residual) (report only)",
-                   _find_dropout_add_layernorm),
+                   _find_dropout_add_layernorm, locate=dropout_add_layernorm_locations),
     StructuralRule("fused_qkv", "three nn.Linear of one input and equal in_features (report only)",
                    _find_fused_qkv, overlaps=True),
     StructuralRule("linear_cross_entropy", "cross-entropy of lm_head(h) logits (report only)",

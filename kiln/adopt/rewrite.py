@@ -8,6 +8,7 @@ import libcst as cst
 
 from kiln.adopt import rules as rules_mod
 from kiln.adopt.analysis import Block, Function, analyze
+from kiln.adopt.configs import ConfigDefaults
 from kiln.adopt.dsl import Node, operand_names
 from kiln.adopt.expr import Expr, TreeBuilder, normalize
 from kiln.adopt.match import match
@@ -75,8 +76,9 @@ def rewrite_source(text: str, rules=None, filename: str = "<string>") -> tuple[s
     imports = Imports(analysis.module)
     edits = Edits()
     matches: list[Match] = []
+    configs = ConfigDefaults(filename, analysis.module)
     for fn in analysis.functions:
-        matches += _rewrite_function(fn, compiled, analysis, imports, edits, filename)
+        matches += _rewrite_function(fn, compiled, analysis, imports, edits, filename, configs)
     new_text = apply(analysis.module, edits, imports)
     try:
         compile(new_text, filename, "exec")
@@ -92,14 +94,30 @@ def _blocks(block: Block):
             yield from _blocks(item)
 
 
-def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename) -> list[Match]:
+def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename, configs=None) -> list[Match]:
     builder = TreeBuilder(fn.nodes, inline=fn.inlinable)
     memo: dict = {}
     dsl_rules = [r for r in compiled if not isinstance(r, StructuralRule)]
     structural = [r for r in compiled if isinstance(r, StructuralRule)]
-    ctx = Context(fn, builder, lambda e: normalize(e, memo), analysis.functions)
+    ctx = Context(fn, builder, lambda e: normalize(e, memo), analysis.functions, configs)
     consumed: set[int] = set()          # id(cst) of expressions already folded into a match
     found = []
+    for rule in structural:             # rewrites of whole statements (pairs of RoPE lines) come first
+        if rule.statements is None:
+            continue
+        needed: set = set()
+        for plan in rule.statements(ctx, lambda q: imports.spell(q, fn.local_names, needed)):
+            for original, code in plan.replace.values():
+                edits.replace[id(original)] = cst.parse_statement(code).body[0]
+                edits.keep_alive.append(original)
+            edits.delete |= {id(s) for s in plan.delete}
+            edits.keep_alive += plan.delete
+            for original, _ in plan.replace.values():
+                consumed |= {id(n) for n in _walk(original)}
+            for s in plan.delete:
+                consumed |= {id(n) for n in _walk(s)}
+            found.append(Match(rule.name, fn.cls, fn.name, plan.first_line, plan.last_line, True, file=filename))
+        imports.needed |= needed
     for block in _blocks(fn.body):
         nodes = [n for n in block.items if isinstance(n, Node)]
         # Outer expressions come after their operands: trying them first keeps matches maximal.
@@ -135,6 +153,10 @@ def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename
                 except Refusal as exc:
                     m.reason = str(exc)
             found.append(m)
+    for rule in structural:          # locations found by data flow, where no tree match covers them
+        for first, last, reason in rule.locate(ctx) if rule.locate is not None else ():
+            if not any(m.rule == rule.name and m.first_line <= last and first <= m.last_line for m in found):
+                found.append(Match(rule.name, fn.cls, fn.name, first, last, False, reason, file=filename))
     return sorted(found, key=lambda m: m.first_line)
 
 
@@ -259,6 +281,14 @@ class _Plan:
 
 def _names(node: Node) -> list[str]:
     return operand_names(node)
+
+
+def _walk(node):
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(n.children)
 
 
 def _cst_names(node):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from kiln.adopt.analysis import Function, Phi
-from kiln.adopt.dsl import Attr, Item, Node, Opaque, Tuple, Var
+from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Tuple, Var
 from kiln.adopt.expr import Expr, TreeBuilder, const
 
 
@@ -35,13 +35,16 @@ class StructuralRule:
     doc: str
     find: object          # (Context, Node, raw Expr, normalized Expr) -> Found | None
     overlaps: bool = False   # also look at expressions another match already covers (report-only rules)
+    locate: object = None    # (Context) -> [(first line, last line, reason)]: data-flow finds, reported
+    statements: object = None   # (Context, spell) -> [StatementRewrite]: rewrites of whole statements
 
 
 class Context:
     """What a structural rule may look at besides the tree: the function, its trees, `__init__`."""
 
-    def __init__(self, fn: Function, builder: TreeBuilder, normalize, functions=()):
+    def __init__(self, fn: Function, builder: TreeBuilder, normalize, functions=(), configs=None):
         self.fn, self.builder, self.normalize = fn, builder, normalize
+        self.configs = configs          # ConfigDefaults of the file (config field defaults), or None
         self.functions = {f.name: f for f in functions if f.cls is None}    # module-level helpers
         self._phi_builder = None
 
@@ -324,8 +327,174 @@ def _reads(node: Node, name: str) -> bool:
     return any(visit(a) for a in list(node.args) + [v for _, v in node.kwargs])
 
 
+
+
+
+# ----------------------------------------------------------------------------------------------
+# sdpa locations the rewrite does not cover
+
+# q @ k^T in its other spellings; the softmax input is traced back to one of these
+_SCORE_PRODUCTS = {"@", "torch.bmm", ".bmm", "torch.baddbmm", ".baddbmm", "torch.einsum"}
+# between the product and the softmax: scale, masks and biases, clamps, casts, view round trips
+_SCORE_STEPS = {"+", "-", "*", "/", "to", "=", ".view", ".reshape", ".contiguous", ".masked_fill",
+                "torch.masked_fill", "torch.where", "torch.max", "torch.maximum", "torch.clamp", ".clamp",
+                ".type_as"}
+# between the softmax and the product with v: dropout, casts, a head mask, views
+_PROB_STEPS = {"to", "=", "dropout", "torch.nn.Dropout", "*", ".view", ".reshape", ".contiguous", ".type_as",
+               ".masked_fill", "torch.where"}
+_FEATURES = {".masked_fill": "masked_fill masking", "torch.masked_fill": "masked_fill masking",
+             "torch.where": "torch.where masking", "torch.max": "a clamp of the scores",
+             "torch.maximum": "a clamp of the scores", "torch.clamp": "a clamp of the scores",
+             ".clamp": "a clamp of the scores", ".view": "view round trips", ".reshape": "view round trips",
+             "torch.baddbmm": "scores from baddbmm", ".baddbmm": "scores from baddbmm",
+             "torch.einsum": "einsum products", "torch.bmm": "3-D bmm products", ".bmm": "3-D bmm products"}
+
+
+def sdpa_locations(ctx: Context) -> list[tuple[int, int, str]]:
+    """Hand-written attention found by data flow rather than by one expression tree: softmax over the
+    last dim whose input comes from q @ k^T through scaling/masking steps (also across `if`/`else`,
+    in-place adds and reassignments) and whose output reaches a product with v through dropout, casts
+    and a head mask, the probabilities otherwise only returned or dropped. These are reported
+    (first line, last line, reason) where the tree rule found nothing to rewrite."""
+    fn = ctx.fn
+    found = []
+    for node in fn.nodes:
+        if not _is_last_dim_softmax(ctx, node) or node.out is None:
+            continue
+        feats: set = set()
+        start = _trace_scores(fn, node.args[0], feats, set())
+        end = _trace_probs(fn, node.out.name, feats, set())
+        if start is None or end is None or end is False:
+            continue
+        why = ", ".join(sorted(feats)) or "the steps are spread over statements the tree rule cannot fold"
+        found.append((min(start.line, node.line), max(end.line, node.line),
+                      f"hand-written attention with {why}: reported, not rewritten"))
+    return found
+
+
+def _is_last_dim_softmax(ctx: Context, node: Node) -> bool:
+    if not node.args:
+        return False
+    if node.op == "softmax":
+        dim = node.kw.get("dim")
+        return getattr(dim, "value", None) == -1
+    if node.op == "call" and isinstance(node.module, Var):       # nn.Softmax(dim=-1)(x)
+        ctor = ctx.fn.defs.get(node.module.name)
+        return ctor is not None and ctor.op == "torch.nn.Softmax" and not ctor.args \
+            and getattr(ctor.kw.get("dim"), "value", None) == -1
+    if node.op == "torch.nn.Softmax" and node.module is not None:
+        ctors = ctx.init_exprs(ctx.builder.operand(node.module))
+        return len(ctors) == 1 and isinstance(ctors[0], cst.Call) and len(ctors[0].args) == 1 \
+            and _flat_code(ctors[0].args[0].value) == "-1"
+    return False
+
+
+def _packed(code: str, value: str) -> bool:
+    """Is every mention of `value`'s name in `code` a bare tuple element (`(out, probs) if ... else`)?"""
+    import re
+    name = re.escape(value.split(":")[0])
+    spans = list(re.finditer(rf"(?<![\w.]){name}(?!\w)", code))
+    return bool(spans) and all(re.match(r"\s*[,)]", code[m.end():]) and re.search(r"[(,]\s*$", code[:m.start()])
+                               for m in spans)
+
+
+def _only_in_tuples(node: Node, value: str) -> bool:
+    """Does `node` read `value` only as an element of a tuple (`outputs + (probs,)`)?"""
+    direct = [a for a in list(node.args) + [v for _, v in node.kwargs] if not isinstance(a, Tuple)]
+    return not any(_reads(Node("=", (a,)), value) for a in direct)
+
+
+def _flat_code(node) -> str:
+    return "".join(cst.Module(body=[]).code_for_node(node).split())
+
+
+def _tensor_vars(node: Node) -> list[str]:
+    out = []
+    for a in list(node.args) + [v for _, v in node.kwargs]:
+        if isinstance(a, Var):
+            out.append(a.name)
+    return out
+
+
+def _trace_scores(fn: Function, operand, feats: set, seen: set, depth: int = 0):
+    """The q @ k^T node the softmax input comes from (on some path), or None."""
+    if not isinstance(operand, Var) or depth > 40 or operand.name in seen:
+        return None
+    value = operand.name
+    seen.add(value)
+    if value in fn.phis:
+        phi = fn.phis[value]
+        preds = [phi.inner] + ([phi.before] if phi.before else [])
+        hits = [_trace_scores(fn, Var(p), feats, seen, depth + 1) for p in preds]
+        hit = next((h for h in hits if h is not None), None)
+        if hit is not None:
+            feats.add("steps under `if`")
+        return hit
+    if value in fn.merges:
+        hits = [_trace_scores(fn, Var(p), feats, seen, depth + 1) for p in sorted(fn.merges[value])]
+        hit = next((h for h in hits if h is not None), None)
+        if hit is not None:
+            feats.add("scores computed differently on `if`/`else` paths")
+        return hit
+    node = fn.defs.get(value)
+    if node is None:
+        return None
+    if node.op in _SCORE_PRODUCTS and len(_tensor_vars(node)) + sum(
+            not isinstance(a, (Var, Const)) for a in node.args) >= 2:
+        if node.op in _FEATURES:
+            feats.add(_FEATURES[node.op])
+        return node
+    if node.op not in _SCORE_STEPS:
+        return None
+    for v in _tensor_vars(node):
+        hit = _trace_scores(fn, Var(v), feats, seen, depth + 1)
+        if hit is not None:
+            if node.op in _FEATURES:
+                feats.add(_FEATURES[node.op])
+            return hit
+    return None
+
+
+def _trace_probs(fn: Function, value: str, feats: set, seen: set, depth: int = 0):
+    """The product with v the probabilities reach; None when there is none, False when the
+    probabilities are used for something else (not attention then)."""
+    if depth > 40 or value in seen:
+        return None
+    seen.add(value)
+    end = None
+    for node in fn.nodes + _returns(fn):
+        if not _reads(node, value):
+            continue
+        if node.op in _SCORE_PRODUCTS and (node.args[:1] == (Var(value),) or node.op == "torch.einsum"):
+            end = node
+        elif node.op in ("return", "store") or _only_in_tuples(node, value) \
+                or node.op == "=" and isinstance(node.args[0], Opaque) and _packed(node.args[0].code, value):
+            continue                      # returned, or packed into the outputs
+        elif node.op in _PROB_STEPS and node.out is not None and (node.op != "=" or isinstance(node.args[0], Var)):
+            if node.op in _FEATURES:
+                feats.add(_FEATURES[node.op])
+            hit = _trace_probs(fn, node.out.name, feats, seen, depth + 1)
+            if hit is False:
+                return False
+            end = end or hit
+        else:
+            return False
+    for phi in fn.phis.values():          # `if head_mask is not None: p = p * head_mask`, `p = None`
+        if value in (phi.before, phi.inner):
+            hit = _trace_probs(fn, phi.value, feats, seen, depth + 1)
+            if hit is False:
+                return False
+            end = end or hit
+    for merged, preds in fn.merges.items():
+        if value in preds:
+            hit = _trace_probs(fn, merged, feats, seen, depth + 1)
+            if hit is False:
+                return False
+            end = end or hit
+    return end
+
+
 SDPA_RULE = StructuralRule(
     "sdpa",
     "softmax(q @ k.transpose(-2, -1) * scale + mask, dim=-1) @ v -> F.scaled_dot_product_attention",
-    _find_sdpa)
-
+    _find_sdpa, locate=sdpa_locations)

@@ -12,16 +12,17 @@ op's saved-for-backward values and are not differentiable.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kiln.kernels._common import GPU_IMPLS
 from kiln.kernels import activations, cross_entropy, norms, rope as _rope  # noqa: F401  (registers the ops)
 
 __all__ = ["rms_norm", "dropout_add_layer_norm", "linear_gelu", "swiglu", "swiglu_linear", "rope",
-           "linear_cross_entropy", "GPU_IMPLS", "OPS"]
+           "linear_cross_entropy", "activation_kind", "linear_act", "act_mul", "GPU_IMPLS", "OPS"]
 
 _k = torch.ops.kiln
 
@@ -113,3 +114,64 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
     The loss is float32 for half-precision inputs (the softmax statistics always are).
     """
     return _k.linear_cross_entropy(hidden, weight, labels, int(ignore_index), reduction, int(chunk_size or 0))[0]
+
+
+# -- activations chosen at run time (config lookups such as transformers' ACT2FN[config.hidden_act]) --
+
+# transformers.activations classes by what they compute (all mathematically equal to the named form;
+# FastGELU and NewGELU write the tanh approximation out, so they agree with it to rounding)
+_HF_ACTIVATIONS = {"GELUActivation": ("gelu", "none"), "NewGELUActivation": ("gelu", "tanh"),
+                   "FastGELUActivation": ("gelu", "tanh"), "GELUTanh": ("gelu", "tanh"),
+                   "PytorchGELUTanh": ("gelu", "tanh"), "SiLUActivation": ("silu", None)}
+
+
+def activation_kind(act) -> tuple[str, Optional[str]] | None:
+    """What the activation `act` (a module or function) computes: ("gelu", "none" | "tanh"),
+    ("silu", None), or None when it is anything else or cannot be told.
+
+    Recognized: `F.gelu`, `F.silu`, `nn.GELU`, `nn.SiLU` and the GELU/SiLU classes of
+    `transformers.activations` (by class, exactly: a subclass may compute something else)."""
+    if act is F.gelu:
+        return "gelu", "none"
+    if act is F.silu:
+        return "silu", None
+    cls = type(act)
+    if cls is torch.nn.GELU:
+        return "gelu", act.approximate
+    if cls is torch.nn.SiLU:
+        return "silu", None
+    if cls.__module__ == "transformers.activations":
+        return _HF_ACTIVATIONS.get(cls.__name__)
+    return None
+
+
+def linear_act(x: Tensor, linear: torch.nn.Module, act: Callable[[Tensor], Tensor]) -> Tensor:
+    """`act(linear(x))`, as one `linear_gelu` kernel when `act` is a GELU and `linear` an `nn.Linear`
+    (or transformers' `Conv1D`, GPT-2's linear layer with a transposed weight).
+
+    The check runs on every call (a guard, not a rewrite-time guess), so a config that picks another
+    activation still computes `act(linear(x))` exactly. `kiln adopt` writes this call where the
+    activation comes from a config lookup."""
+    kind = activation_kind(act)
+    if kind is not None and kind[0] == "gelu":
+        if type(linear) is torch.nn.Linear:
+            return linear_gelu(x, linear.weight, linear.bias, approximate=kind[1])
+        if _is_hf_conv1d(linear):       # y = x @ weight + bias, weight stored (in, out)
+            return linear_gelu(x, linear.weight.t(), linear.bias, approximate=kind[1])
+    return act(linear(x))
+
+
+def _is_hf_conv1d(m) -> bool:
+    cls = type(m)
+    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils" \
+        and getattr(m, "weight", None) is not None and m.weight.dim() == 2
+
+
+def act_mul(act: Callable[[Tensor], Tensor], gate: Tensor, up: Tensor) -> Tensor:
+    """`act(gate) * up`, as the `swiglu` kernel when `act` is SiLU and the shapes are equal.
+
+    Like `linear_act`, the activation is checked on every call; anything else runs as written."""
+    kind = activation_kind(act)
+    if kind is not None and kind[0] == "silu" and gate.shape == up.shape:
+        return swiglu(gate, up)
+    return act(gate) * up

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import linecache
+import time
 from typing import Callable
 
 from kiln.ir.graph import Graph, Role
@@ -15,9 +16,14 @@ from kiln.ir.printer import Symbols, annotate, call_line
 _counter = itertools.count()
 
 
-def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False) -> tuple[str, Callable]:
+def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
+             times: list | None = None) -> tuple[str, Callable]:
     """Source and function of `graph`. The function returns outputs[0] (the loss), or, with
-    `return_all`, a tuple of every graph output (used by the VJP tests to read the gradients)."""
+    `return_all`, a tuple of every graph output (used by the VJP tests to read the gradients).
+
+    With `times` (a list of len(graph.nodes) floats), every call is timed and its seconds added to
+    `times[i]` (`kiln.explain(step, profile=True)`); the CPU kernels are synchronous, so the
+    wall-clock time around a call is the kernel's time."""
     syms = Symbols(taken={v.name for n in graph.nodes for v in n.outputs} | {v.name for v in graph.inputs})
     last_use: dict = {}
     for i, n in enumerate(graph.nodes):
@@ -32,7 +38,10 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False) ->
         if n.phase is not phase:
             phase = n.phase
             lines.append(f"    # ---- {phase.value} ----")
-        lines.append("    " + call_line(n, syms) + annotate(n))
+        if times is None:
+            lines.append("    " + call_line(n, syms) + annotate(n))
+        else:
+            lines += ["    _t0 = _clock()", "    " + call_line(n, syms), f"    _times[{i}] += _clock() - _t0"]
         dead = [v.name for v in n.inputs if last_use.get(v) == i and v not in keep]
         dead += [o.name for o in n.outputs if o not in last_use and o not in keep]
         if dead:
@@ -50,6 +59,8 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False) ->
     filename = f"<kiln-step-{next(_counter)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show lines
     namespace = dict(syms.globals)
+    if times is not None:
+        namespace.update(_clock=time.perf_counter, _times=times)
     exec(compile(source, filename, "exec"), namespace)
     return source, namespace[name]
 

@@ -1,4 +1,9 @@
-"""`kiln.explain(step)`: a table of every op in the compiled step, its dialect and its output."""
+"""`kiln.explain(step)`: a table of every op in the compiled step, its dialect and its output.
+
+With `profile=True` each op also gets its measured time (`CompiledStep.profile`: the latest batch
+replayed on copies of the parameters and optimizer state, median of 3 runs after a warm-up) and a
+summary splits the step's time between matmul, attention, fused regions, casts, the optimizer and
+the rest."""
 from __future__ import annotations
 
 import collections
@@ -28,11 +33,36 @@ def _short(ops: tuple[str, ...]) -> str:
     return "[" + " ".join(k if c == 1 else f"{k} x{c}" for k, c in runs) + "]"
 
 
-def explain(step, file=None) -> str:
+# op-name fragments of matrix products and attention (ATen, kiln kernels and their upcast forms)
+_MATMUL = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "convolution", "linear_gelu", "swiglu_linear",
+           "linear_cross_entropy")
+_ATTENTION = ("attention", "flash", "sdpa", "efficient")
+
+
+def category(n) -> str:
+    """Which part of the time split an op belongs to."""
+    if n.phase.value == "optimizer":
+        return "optimizer"
+    if n.target is torch.ops.aten._to_copy.default:
+        return "casts"
+    name = n.op.name.lower()
+    if any(a in name for a in _ATTENTION):
+        return "attention"
+    base = name.split(".")[1] if name.startswith(("aten.", "kiln.")) and name.count(".") else name
+    if any(base == m or base.startswith(m + "_") or base.startswith("upcast_" + m) for m in _MATMUL) \
+            or base.endswith(("_mm", "_addmm", "_linear")):
+        return "matmul"
+    if n.fused is not None:
+        return "fused"
+    return "other"
+
+
+def explain(step, file=None, profile: bool = False) -> str:
     if not hasattr(step, "_program"):
         raise KilnError("kiln.explain expects the object returned by kiln.compile")
     prog = step._program()
     g = prog.graph
+    seconds = step.profile() if profile else None
     rows = []
     for i, n in enumerate(g.nodes):
         out = ", ".join(str(o.meta) for o in n.outputs if o.meta is not None) or "-"
@@ -40,8 +70,9 @@ def explain(step, file=None) -> str:
         if n.op.name.startswith("kiln.fallback"):
             dialect += " (FALLBACK: torch.func.vjp)"
         op = n.op.name if n.fused is None else f"{n.op.name} <- {_short(n.fused.ops)}"
-        rows.append((str(i), n.phase.value, op, dialect, compute_dtype(n), out, n.scope))
-    head = ("#", "phase", "op", "dialect", "compute", "output", "module")
+        ms = () if seconds is None else (f"{seconds[i] * 1000:.2f}",)
+        rows.append((str(i), n.phase.value, op, dialect, compute_dtype(n)) + ms + (out, n.scope))
+    head = ("#", "phase", "op", "dialect", "compute") + (() if seconds is None else ("ms",)) + ("output", "module")
     widths = [max(len(r[c]) for r in rows + [head]) for c in range(len(head))]
     widths[-1] = 0
     fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
@@ -66,6 +97,16 @@ def explain(step, file=None) -> str:
                  ", ".join(f"{name} {sec * 1000:.0f}ms" for name, sec, _ in prog.timings))
     if fallbacks:
         lines.append("gradient fallbacks (no VJP rule; torch.func.vjp): " + "; ".join(fallbacks))
+    if seconds is not None:
+        total = sum(seconds) or 1e-12
+        split = collections.Counter()
+        for n, sec in zip(g.nodes, seconds):
+            split[category(n)] += sec
+        lines.append(f"time: {total * 1000:.1f} ms in ops (median of 3 replays of the latest batch): " + ", ".join(
+            f"{k} {split[k] * 1000:.1f} ms ({split[k] / total:.0%})"
+            for k in ("matmul", "attention", "fused", "casts", "optimizer", "other") if k in split))
+        slowest = sorted(range(len(seconds)), key=lambda i: -seconds[i])[:5]
+        lines.append("slowest: " + "; ".join(f"#{i} {g.nodes[i].op.name} {seconds[i] * 1000:.1f} ms" for i in slowest))
     text = "\n".join(lines)
     print(text, file=file or sys.stdout)
     return text

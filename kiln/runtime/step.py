@@ -121,6 +121,7 @@ class CompiledStep:
             prog = self._compile(args, kwargs, names)
             self.programs[key] = prog
         self.last = prog
+        self._last_leaves = leaves          # kiln.explain(step, profile=True) replays this batch
         lr = self.optimizer.lr
         inputs = [f(leaves, lr) for f in prog.fetch]
         with torch.no_grad():
@@ -187,9 +188,37 @@ class CompiledStep:
         """The generated Python of the most recently used program: forward, backward and update."""
         return self._program().source
 
-    def explain(self, file=None) -> str:
+    def explain(self, file=None, profile: bool = False) -> str:
         from kiln.runtime.explain import explain
-        return explain(self, file=file)
+        return explain(self, file=file, profile=profile)
+
+    def profile(self, repeats: int = 3) -> list[float]:
+        """Seconds per node of the latest program (median of `repeats` runs after one warm-up), replaying
+        the latest batch on copies of the parameters, buffers and optimizer state: the model, the
+        optimizer state and the random-number generator are left exactly as they were."""
+        prog = self._program()
+        leaves = getattr(self, "_last_leaves", None)
+        if leaves is None:
+            raise KilnError("nothing to profile: call the step once with a batch first")
+        n = len(prog.graph.nodes)
+        times = [0.0] * n
+        _, fn = generate(prog.graph, name="kiln_profiled_step", times=times)
+        owned = (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.STATE)
+        inputs = [f(leaves, self.optimizer.lr) for f in prog.fetch]
+        inputs = [x.detach().clone() if v.role in owned and isinstance(x, torch.Tensor) else x
+                  for v, x in zip(prog.graph.inputs, inputs)]
+        rng = torch.get_rng_state()
+        runs = []
+        try:
+            with torch.no_grad():
+                for r in range(repeats + 1):
+                    times[:] = [0.0] * n
+                    fn(*inputs)
+                    if r:                      # the first run is a warm-up (allocator, caches)
+                        runs.append(list(times))
+        finally:
+            torch.set_rng_state(rng)
+        return [sorted(col)[len(col) // 2] for col in zip(*runs)]
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -44,13 +44,41 @@ def test_swiglu_across_lines_refuses_to_move_the_call():
     assert new == src and [m.applied for m in matches] == [False] and "move a call" in matches[0].reason
 
 
-def test_swiglu_config_activation_is_reported():
-    src = MLP.format(act="ACT2FN[config.hidden_act]",
-                     body="        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))")
-    src = src.replace("from torch import nn\n", "from torch import nn\nfrom transformers.activations import ACT2FN\n")
-    _, new, matches = rewrite(src, rules=["swiglu"])
-    assert new == src
-    assert [(m.rule, m.applied) for m in matches] == [("swiglu", False)] and "ACT2FN" in matches[0].reason
+CONFIG_MLP = """\
+import types
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+
+class MLP(nn.Module):
+    def __init__(self, act="silu"):
+        super().__init__()
+        config = types.SimpleNamespace(hidden_act=act)
+        self.gate_proj = nn.Linear(8, 12, bias=False)
+        self.up_proj = nn.Linear(8, 12, bias=False)
+        self.down_proj = nn.Linear(12, 8, bias=False)
+        self.fc = nn.Linear(8, 8)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = self.act_fn(h)
+        return self.down_proj(self.act_fn(self.gate_proj(h)) * self.up_proj(h))
+"""
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_new", "relu"])
+def test_config_activation_rewrites_with_a_run_time_guard(act):
+    """Without the configuration module the activation is unknown: linear_act / act_mul check it on
+    every call, so the rewrite computes exactly the original for any config (here silu, gelu, relu)."""
+    pytest.importorskip("transformers")
+    src, new, matches = rewrite(CONFIG_MLP)
+    assert sorted((m.rule, m.applied) for m in matches) == [("linear_gelu", True), ("swiglu", True)]
+    assert "h = kiln.kernels.linear_act(x, self.fc, self.act_fn)" in new
+    assert "self.down_proj(kiln.kernels.act_mul(self.act_fn, self.gate_proj(h), self.up_proj(h)))" in new
+    assert_same_numerics(src, new, "MLP", args=(act,), atol=1e-5)
 
 
 @pytest.mark.parametrize("act, body", [

@@ -23,48 +23,45 @@ EXPECTED = {
     ],
     "models/llama/modeling_llama.py": [
         ("rms_norm", "LlamaRMSNorm", "forward", True),
-        ("rope", None, "apply_rotary_pos_emb", False),
-        ("rope", None, "apply_rotary_pos_emb", False),
-        ("swiglu", "LlamaMLP", "forward", False),
-        ("linear_gelu", "LlamaMLP", "forward", False),
+        ("rope", None, "apply_rotary_pos_emb", True),
+        ("swiglu", "LlamaMLP", "forward", True),
         ("sdpa", None, "eager_attention_forward", False),
         ("fused_qkv", "LlamaAttention", "forward", False),
     ],
     "models/t5/modeling_t5.py": [
         ("rms_norm", "T5LayerNorm", "forward", True),
-        ("linear_gelu", "T5DenseActDense", "forward", False),
-        ("linear_gelu", "T5DenseGatedActDense", "forward", False),
         ("sdpa", None, "eager_attention_forward", False),
         ("linear_cross_entropy", "T5ForConditionalGeneration", "forward", False),
     ],
     "models/gemma/modeling_gemma.py": [
         ("rms_norm", "GemmaRMSNorm", "_norm", True),
-        ("swiglu", "GemmaMLP", "forward", False),
-        ("linear_gelu", "GemmaMLP", "forward", False),
-        ("rope", None, "apply_rotary_pos_emb", False),
-        ("rope", None, "apply_rotary_pos_emb", False),
+        ("linear_gelu", "GemmaMLP", "forward", True),
+        ("rope", None, "apply_rotary_pos_emb", True),
         ("sdpa", None, "eager_attention_forward", False),
         ("fused_qkv", "GemmaAttention", "forward", False),
     ],
     "models/gpt2/modeling_gpt2.py": [
         ("sdpa", None, "eager_attention_forward", False),
+        ("sdpa", "GPT2Attention", "_upcast_and_reordered_attn", False),
+        ("linear_gelu", "GPT2MLP", "forward", True),
         ("linear_cross_entropy", "GPT2DoubleHeadsModel", "forward", False),
     ],
     "models/bert/modeling_bert.py": [
         ("sdpa", None, "eager_attention_forward", False),
         ("fused_qkv", "BertSelfAttention", "forward", False),
         ("dropout_add_layernorm", "BertSelfOutput", "forward", False),
-        ("linear_gelu", "BertIntermediate", "forward", False),
+        ("linear_gelu", "BertIntermediate", "forward", True),
         ("dropout_add_layernorm", "BertOutput", "forward", False),
-        ("linear_gelu", "BertPredictionHeadTransform", "forward", False),
+        ("linear_gelu", "BertPredictionHeadTransform", "forward", True),
     ],
     "models/gpt_neo/modeling_gpt_neo.py": [
+        ("sdpa", "GPTNeoSelfAttention", "_attn", False),
         ("fused_qkv", "GPTNeoSelfAttention", "forward", False),
-        ("linear_gelu", "GPTNeoMLP", "forward", False),
+        ("linear_gelu", "GPTNeoMLP", "forward", True),
     ],
     "models/codegen/modeling_codegen.py": [
         ("sdpa", None, "eager_attention_forward", False),
-        ("linear_gelu", "CodeGenMLP", "forward", False),
+        ("linear_gelu", "CodeGenMLP", "forward", True),
     ],
 }
 
@@ -84,7 +81,14 @@ def test_real_file(relpath):
     assert [(m.rule, m.cls, m.method, m.applied) for m in matches] == EXPECTED[relpath]
     assert all(m.reason for m in matches if not m.applied)
     assert (new == src) == (not any(m.applied for m in matches))
-    assert rewrite_source(new, filename=relpath)[0] == new
+    assert rewrite_source(new, filename=os.path.join(ROOT, relpath))[0] == new
+
+
+def _tiny(model_type, **overrides):
+    config = transformers.AutoConfig.for_model(model_type)
+    for name, value in dict(hidden_size=16, intermediate_size=24, **overrides).items():
+        setattr(config, name, value)
+    return config
 
 
 def _module_from(relpath, text):
@@ -104,6 +108,12 @@ def _module_from(relpath, text):
     ("activations.py", lambda m: m.FastGELUActivation()),
     ("activations.py", lambda m: m.GELUActivation(use_gelu_python=True)),
     ("activations.py", lambda m: m.GELUTanh(use_gelu_tanh_python=True)),
+    # run-time guarded rewrites: act_mul (SiLU by config), linear_act (GELU by config; GPT-2's Conv1D)
+    ("models/llama/modeling_llama.py", lambda m: m.LlamaMLP(_tiny("llama"))),
+    ("models/llama/modeling_llama.py", lambda m: m.LlamaMLP(_tiny("llama", hidden_act="relu"))),
+    ("models/bert/modeling_bert.py", lambda m: m.BertIntermediate(_tiny("bert"))),
+    ("models/gpt2/modeling_gpt2.py", lambda m: m.GPT2MLP(32, _tiny("gpt2", n_embd=16, resid_pdrop=0.0))),
+    ("models/gemma/modeling_gemma.py", lambda m: m.GemmaMLP(_tiny("gemma"))),
 ])
 def test_rewritten_modules_compute_the_same(relpath, build):
     src, new, _ = _rewrite(relpath)
@@ -116,13 +126,13 @@ def test_rewritten_modules_compute_the_same(relpath, build):
     x = torch.randn(2, 7, 16)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = ref(xa), rew(xb)
-    torch.testing.assert_close(yb, ya, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(yb, ya, atol=1e-5, rtol=1e-5)
     g = torch.randn_like(ya)
     ya.backward(g)
     yb.backward(g)
-    torch.testing.assert_close(xb.grad, xa.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(xb.grad, xa.grad, atol=1e-5, rtol=1e-5)
     for pa, pb in zip(ref.parameters(), rew.parameters()):
-        torch.testing.assert_close(pb.grad, pa.grad, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(pb.grad, pa.grad, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("relpath", ["models/llama/modeling_llama.py", "models/gpt2/modeling_gpt2.py"])

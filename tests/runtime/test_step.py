@@ -199,6 +199,44 @@ def test_source_and_explain_describe_the_whole_step(capsys):
     assert capsys.readouterr().out.strip() == text.strip()
 
 
+def test_explain_profile_times_every_op_and_changes_nothing():
+    model, args, kwargs, _ = zoo.gpt2()
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3))
+    step(*args, **kwargs)
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: {s: t.clone() for s, t in d.items()} for k, d in step.state.items()}
+    rng = torch.get_rng_state()
+    seconds = step.profile()
+    assert len(seconds) == len(step.graph.nodes) and all(s >= 0 for s in seconds) and sum(seconds) > 0
+    text = kiln.explain(step, profile=True, file=open("/dev/null", "w"))
+    head = text.splitlines()[0].split()
+    assert head[:6] == ["#", "phase", "op", "dialect", "compute", "ms"]
+    split = next(line for line in text.splitlines() if line.startswith("time: "))
+    for part in ("matmul", "attention", "optimizer"):
+        assert part in split
+    # the replays ran on copies: model, optimizer state and RNG are untouched
+    assert all(torch.equal(params[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(state[k][s], t) for k, d in step.state.items() for s, t in d.items())
+    assert torch.equal(rng, torch.get_rng_state())
+    # and training continues exactly as without the profile (same loss as an unprofiled twin)
+    twin_model, _, _, _ = zoo.gpt2()
+    twin_model.load_state_dict(params)
+    twin = kiln.compile(twin_model, optimizer=kiln.optim.AdamW(lr=1e-3))
+    twin.load_state_dict(step.state_dict())
+    torch.manual_seed(1)
+    a = step(*args, **kwargs)
+    torch.manual_seed(1)
+    b = twin(*args, **kwargs)
+    assert torch.equal(a, b)
+
+
+def test_profile_needs_a_step_first():
+    model, _, _, _ = zoo.gpt2()
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3))
+    with pytest.raises(kiln.KilnError, match="call the step once"):
+        kiln.explain(step, profile=True)
+
+
 def test_ops_without_rules_use_a_visible_fallback(kiln_log):
     class Odd(nn.Module):
         def __init__(self):
