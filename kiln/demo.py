@@ -32,6 +32,8 @@ def register(sub) -> None:
     e.add_argument("--amp", choices=["bf16", "fp16"], help="mixed precision (default fp32)")
     e.add_argument("--dialects", help="comma list of dialects in preference order (default: all)")
     e.add_argument("--source", action="store_true", help="print the generated Python step instead")
+    e.add_argument("--profile", action="store_true", help="also time every op (the batch replayed on copies of "
+                   "the weights) and print the split between matmul, attention, fused ops, casts and optimizer")
     e.set_defaults(func=run_explain)
 
 
@@ -74,7 +76,7 @@ def run_explain(args) -> int:
     if args.source:
         print(step.source())
     else:
-        kiln.explain(step)
+        kiln.explain(step, profile=args.profile)
     return 0
 
 

@@ -3,12 +3,16 @@
 ``register(subparsers)`` is called by ``kiln/cli.py``.  Exit codes: 0 when every input was read
 and analyzed, 1 when some input could not be (missing, unreadable, not Python, a syntax error;
 the others are still processed), 2 on bad usage or a bad rule file (nothing is processed).
+With ``--verify`` (``kiln.adopt.verify``): 0 when the rewritten model computes the same as the
+original, 1 when it does not, 2 when the check cannot run (or only the timing failed: the summary
+and --json are still written).
 """
 from __future__ import annotations
 
 import argparse
 import difflib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -29,6 +33,7 @@ examples:
   kiln adopt model.py --rules my_rules.kiln --out rewritten/
   kiln adopt model.py --show-dsl              # the extracted structure, one line per op
   kiln adopt --list-rules
+  kiln adopt --verify transformers:llama --json llama.json   # rewritten model == original?
 """
 
 
@@ -47,6 +52,19 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--show-dsl", action="store_true", help="print the extracted DSL structure of each "
                    "method/function instead of rewriting")
     p.add_argument("--report", metavar="JSON", help="write the matches as JSON")
+    p.add_argument("--verify", metavar="SPEC",
+                   help="instead of PATHs: transformers:<model_type>; rewrite that model's modeling file "
+                   "from the installed transformers (in a temporary copy), build a tiny random model from "
+                   "both, and compare forward outputs and every parameter gradient in fp32 (equivalent "
+                   "when max|diff| <= 1e-4 + 1e-4 * max|original| per tensor; train mode, dropout 0, "
+                   "eager attention), then time eager training steps and peak memory before/after; "
+                   "exit 1 when not equivalent")
+    p.add_argument("--json", metavar="FILE", help="with --verify: write the result as JSON")
+    p.add_argument("--no-timing", action="store_true",
+                   help="with --verify: only check equivalence, skip the step time and memory measurement")
+    p.add_argument("--timing-size", choices=("small", "bench"), default="small",
+                   help="with --verify: model size for the timing (small: hidden 256, 2 layers, batch 4 x 128; "
+                   "bench: kiln bench's CPU default, hidden 512, 4 layers, batch 8 x 256, vocab 32000)")
     p.set_defaults(func=handle)
     return p
 
@@ -61,6 +79,12 @@ def handle(args) -> int:
         for rule in rules_mod.load_builtin():
             print(f"{rule.name:22} {rule.doc}")
         return 0
+    if args.verify is not None:
+        return handle_verify(args)
+    for flag, given in (("--json", args.json), ("--no-timing", args.no_timing)):
+        if given:
+            print(f"kiln adopt: {flag} only makes sense with --verify", file=sys.stderr)
+            return 2
     if not args.paths:
         print("kiln adopt: no PATH given (see kiln adopt --help)", file=sys.stderr)
         return 2
@@ -111,6 +135,46 @@ def handle(args) -> int:
                    "seconds": round(time.perf_counter() - start, 3)}
         write_atomic(Path(args.report), json.dumps(payload, indent=2) + "\n")
     return 1 if failed else 0
+
+
+def handle_verify(args) -> int:
+    """`--verify transformers:<model_type>`: 0 equivalent, 1 not, 2 when it cannot be checked."""
+    from kiln.adopt.dsl import DSLError
+    from kiln.adopt.verify import VerifyError, summary, verify
+
+    if args.paths:
+        print(f"kiln adopt: --verify replaces PATH arguments (got {' '.join(args.paths)})", file=sys.stderr)
+        return 2
+    for flag, given in (("--diff", args.diff), ("--write", args.write), ("--out", args.out),
+                        ("--no-backup", args.no_backup), ("--show-dsl", args.show_dsl), ("--report", args.report)):
+        if given:
+            print(f"kiln adopt: {flag} cannot be combined with --verify", file=sys.stderr)
+            return 2
+    try:
+        rules = load_rules(args.rules)
+        result = verify(args.verify, rules, timing=not args.no_timing, timing_size=args.timing_size,
+                        log=lambda text: print(f"kiln adopt: {text} ...", file=sys.stderr, flush=True))
+    except (DSLError, VerifyError) as exc:
+        print(f"kiln adopt: {exc}", file=sys.stderr)
+        return 2
+    print(summary(result))
+    if args.json:
+        write_atomic(Path(args.json), json.dumps(_finite(result), indent=2) + "\n")
+    if result.get("timing_error"):
+        print(f"kiln adopt: {result['timing_error']}", file=sys.stderr)
+        return 2 if result["equivalent"] else 1
+    return 0 if result["equivalent"] else 1
+
+
+def _finite(value):
+    """JSON has no Infinity/NaN (a shape mismatch is an infinite diff): those become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _diff_labels(path: Path) -> tuple[str, str]:

@@ -341,7 +341,7 @@ _SCORE_STEPS = {"+", "-", "*", "/", "to", "=", ".view", ".reshape", ".contiguous
                 ".type_as"}
 # between the softmax and the product with v: dropout, casts, a head mask, views
 _PROB_STEPS = {"to", "=", "dropout", "torch.nn.Dropout", "*", ".view", ".reshape", ".contiguous", ".type_as",
-               ".masked_fill", "torch.where"}
+               ".masked_fill", "torch.where", ".permute", "transpose"}
 _FEATURES = {".masked_fill": "masked_fill masking", "torch.masked_fill": "masked_fill masking",
              "torch.where": "torch.where masking", "torch.max": "a clamp of the scores",
              "torch.maximum": "a clamp of the scores", "torch.clamp": "a clamp of the scores",
@@ -359,10 +359,13 @@ def sdpa_locations(ctx: Context) -> list[tuple[int, int, str]]:
     fn = ctx.fn
     found = []
     for node in fn.nodes:
-        if not _is_last_dim_softmax(ctx, node) or node.out is None:
+        last = _is_last_dim_softmax(ctx, node)
+        if not last or node.out is None:
             continue
         feats: set = set()
         start = _trace_scores(fn, node.args[0], feats, set())
+        if last == "dim=2" and (start is None or start.op not in ("torch.bmm", ".bmm")):
+            continue                     # dim=2 is the last dim only of a 3-D (bmm) product
         end = _trace_probs(fn, node.out.name, feats, set())
         if start is None or end is None or end is False:
             continue
@@ -372,12 +375,13 @@ def sdpa_locations(ctx: Context) -> list[tuple[int, int, str]]:
     return found
 
 
-def _is_last_dim_softmax(ctx: Context, node: Node) -> bool:
+def _is_last_dim_softmax(ctx: Context, node: Node):
+    """True for a softmax over dim -1; "dim=2" for one over dim 2 (the last dim if the scores are 3-D)."""
     if not node.args:
         return False
     if node.op == "softmax":
-        dim = node.kw.get("dim")
-        return getattr(dim, "value", None) == -1
+        dim = getattr(node.kw.get("dim"), "value", None)
+        return True if dim == -1 else "dim=2" if dim == 2 else False
     if node.op == "call" and isinstance(node.module, Var):       # nn.Softmax(dim=-1)(x)
         ctor = ctx.fn.defs.get(node.module.name)
         return ctor is not None and ctor.op == "torch.nn.Softmax" and not ctor.args \
@@ -387,6 +391,16 @@ def _is_last_dim_softmax(ctx: Context, node: Node) -> bool:
         return len(ctors) == 1 and isinstance(ctors[0], cst.Call) and len(ctors[0].args) == 1 \
             and _flat_code(ctors[0].args[0].value) == "-1"
     return False
+
+
+def _swaps_last_two(node: Node) -> bool:
+    """`p.permute(0, 2, 1)`, `p.permute(0, 1, 3, 2)`, `p.transpose(-2, -1)`: p^T, nothing else."""
+    if node.op == "transpose":
+        dims = {getattr(node.kw.get("dim0"), "value", None), getattr(node.kw.get("dim1"), "value", None)}
+        return dims == {-2, -1}
+    order = [getattr(a, "value", None) for a in node.args[1:]]
+    n = len(order)
+    return n >= 2 and order == list(range(n - 2)) + [n - 1, n - 2]
 
 
 def _packed(code: str, value: str) -> bool:
@@ -455,7 +469,7 @@ def _trace_scores(fn: Function, operand, feats: set, seen: set, depth: int = 0):
     return None
 
 
-def _trace_probs(fn: Function, value: str, feats: set, seen: set, depth: int = 0):
+def _trace_probs(fn: Function, value: str, feats: set, seen: set, depth: int = 0, transposed: bool = False):
     """The product with v the probabilities reach; None when there is none, False when the
     probabilities are used for something else (not attention then)."""
     if depth > 40 or value in seen:
@@ -465,15 +479,18 @@ def _trace_probs(fn: Function, value: str, feats: set, seen: set, depth: int = 0
     for node in fn.nodes + _returns(fn):
         if not _reads(node, value):
             continue
-        if node.op in _SCORE_PRODUCTS and (node.args[:1] == (Var(value),) or node.op == "torch.einsum"):
-            end = node
+        if node.op in _SCORE_PRODUCTS and (node.args[:1] == (Var(value),) or node.op == "torch.einsum"
+                                           or transposed and node.args[1:2] == (Var(value),)):
+            end = node                    # probs @ v, or v @ probs^T
         elif node.op in ("return", "store") or _only_in_tuples(node, value) \
                 or node.op == "=" and isinstance(node.args[0], Opaque) and _packed(node.args[0].code, value):
             continue                      # returned, or packed into the outputs
-        elif node.op in _PROB_STEPS and node.out is not None and (node.op != "=" or isinstance(node.args[0], Var)):
+        elif node.op in _PROB_STEPS and node.out is not None and (node.op != "=" or isinstance(node.args[0], Var)) \
+                and (node.op not in (".permute", "transpose") or _swaps_last_two(node)):
             if node.op in _FEATURES:
                 feats.add(_FEATURES[node.op])
-            hit = _trace_probs(fn, node.out.name, feats, seen, depth + 1)
+            flip = transposed != (node.op in (".permute", "transpose"))
+            hit = _trace_probs(fn, node.out.name, feats, seen, depth + 1, flip)
             if hit is False:
                 return False
             end = end or hit
@@ -481,13 +498,13 @@ def _trace_probs(fn: Function, value: str, feats: set, seen: set, depth: int = 0
             return False
     for phi in fn.phis.values():          # `if head_mask is not None: p = p * head_mask`, `p = None`
         if value in (phi.before, phi.inner):
-            hit = _trace_probs(fn, phi.value, feats, seen, depth + 1)
+            hit = _trace_probs(fn, phi.value, feats, seen, depth + 1, transposed)
             if hit is False:
                 return False
             end = end or hit
     for merged, preds in fn.merges.items():
         if value in preds:
-            hit = _trace_probs(fn, merged, feats, seen, depth + 1)
+            hit = _trace_probs(fn, merged, feats, seen, depth + 1, transposed)
             if hit is False:
                 return False
             end = end or hit
