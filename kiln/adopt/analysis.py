@@ -266,10 +266,28 @@ class _FunctionAnalyzer:
     def run(self) -> Function:
         body = self.fn.body
         block = self.run_block(body, "body")
+        self._propagate_mutation()
         return Function(self.cls, self.fn.name.value, self.params, self.line(self.fn), block, self.fn,
                         self.nodes, self.uses, self.reader_block, self.defs, self.def_stmt, self.mutated,
                         self.local_names, self.name_version, self.phis, self.init_exprs, self.resolver,
                         self.merges)
+
+    def _propagate_mutation(self) -> None:
+        """`x += y` on the value after an `if` changes the very tensor each branch made (and the one
+        a plain `a = b` copied): mark those versions mutated too."""
+        stack = list(self.mutated)
+        while stack:
+            value = stack.pop()
+            sources = set(self.merges.get(value, ()))
+            phi = self.phis.get(value)
+            if phi is not None:
+                sources |= {v for v in (phi.before, phi.inner) if v}
+            node = self.defs.get(value)
+            if node is not None and node.op == "=" and node.args and isinstance(node.args[0], Var):
+                sources.add(node.args[0].name)
+            for v in sources - self.mutated:
+                self.mutated.add(v)
+                stack.append(v)
 
     def line(self, node) -> int:
         return self.positions[node].start.line

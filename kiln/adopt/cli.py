@@ -22,9 +22,10 @@ from pathlib import Path
 
 DESCRIPTION = """\
 Find hand-written GELU, SiLU, RMSNorm and attention in PyTorch model source and rewrite them to
-call the fused PyTorch functions; rewrite SwiGLU and linear+GELU to kiln.kernels where exact, and
-report RoPE, dropout+add+LayerNorm, separate q/k/v projections and lm_head+cross-entropy
-(see docs/adopt-dsl.md).  Everything else in the file stays byte-identical; running it twice
+call the fused PyTorch functions; rewrite SwiGLU, linear+GELU and RoPE to kiln.kernels (an
+activation chosen by the config is checked at run time), and report dropout+add+LayerNorm,
+separate q/k/v projections, lm_head+cross-entropy and attention the rewrite does not cover, each
+with its reason (see docs/adopt-dsl.md).  Everything else in the file stays byte-identical; running it twice
 changes nothing.  Without --diff/--write/--out it lists the matches.
 
 examples:

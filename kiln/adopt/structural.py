@@ -252,6 +252,12 @@ def _find_sdpa(ctx: Context, node: Node, raw: Expr, tree: Expr):
     if reason is not None:
         return Found(env, None, reason, raw=raw2)
     phis = [builder.phis[v] for v in raw2.vars if v in builder.phis]
+    result = node.out.name if node.out is not None else None
+    target = node.stmt.target if node.stmt is not None else None
+    if any(v is not None and v in ctx.fn.mutated for v in (result, target)):
+        # `out += ...` after it: fine for matmul's output, but SDPA's backward reads its own output
+        return Found(env, None, "the attention output is modified in place afterwards (`+=`), which "
+                                "scaled_dot_product_attention's backward does not allow", raw=raw2)
     return Found(env, _sdpa_lines(found), raw=raw2, phis=phis)
 
 

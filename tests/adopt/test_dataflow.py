@@ -213,3 +213,32 @@ def test_config_default_decides_the_activation(tmp_path):
         _config_fields.cache_clear()
         _, matches = rewrite_source(model, filename=str(tmp_path / "modeling_toy.py"))
         assert [(m.rule, m.applied) for m in matches] == expected, default
+
+
+INPLACE_AFTER = """\
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def forward(self, q, k, v, extra, full):
+        if full:
+            scores = torch.matmul(q, k.transpose(-2, -1))
+            probs = nn.functional.softmax(scores, dim=-1)
+            out = torch.matmul(probs, v)
+        else:
+            out = v * 2
+        out += extra
+        return out
+"""
+
+
+def test_sdpa_is_not_written_where_the_output_is_changed_in_place():
+    """`out += extra` after an if/else changes the tensor the attention branch made; SDPA's backward
+    needs its own output unchanged, so the rewrite is refused (the matmul form tolerates it)."""
+    src, new, matches = rewrite(INPLACE_AFTER, rules=["sdpa"])
+    assert new == src
+    assert [(m.rule, m.applied) for m in matches] == [("sdpa", False)] and "in place" in matches[0].reason
+    mod = load(src, "inplace")["Attention"]()
+    q, k, v = (torch.randn(2, 3, 5, 4, requires_grad=True) for _ in range(3))
+    mod(q, k, v, torch.randn(2, 3, 5, 4), True).sum().backward()      # the original trains fine
