@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,7 +63,6 @@ def corpus_root(version: str) -> Path:
         with zipfile.ZipFile(wheels[0]) as z:   # data only: the .py files of the package
             z.extractall(unpacked, [n for n in z.namelist() if n.startswith("transformers/") and n.endswith(".py")])
         if target.exists():
-            import shutil
             shutil.rmtree(target)
         os.replace(unpacked, target)
     (target / ".complete").write_text(version + "\n")
@@ -130,7 +131,6 @@ def _reason_class(reason: str | None) -> str:
     """Group refusals by their text without the file-specific details (line numbers, names)."""
     if not reason:
         return "(none)"
-    import re
     text = re.sub(r"line \d+", "line N", reason)
     text = re.sub(r"`[^`]*`", "`...`", text)
     return text[:160]

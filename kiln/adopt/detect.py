@@ -13,24 +13,15 @@ A reported location has `applied: false` and the reason the rewrite is not made.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import libcst as cst
 
 from kiln.adopt.configs import GELU_NAMES, SILU_NAMES
 from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Tuple, Var
-from kiln.adopt.structural import Context, Found, StructuralRule
+from kiln.adopt.structural import Context, Found, StructuralRule, code_of, flat
 
 LINEAR = "torch.nn.Linear"
-
-
-def _code(node) -> str:
-    return cst.Module(body=[]).code_for_node(node)
-
-
-def _flat(text: str) -> str:
-    return re.sub(r"\s+", "", text)
 
 
 def activation(ctx: Context, e) -> tuple[str | None, str | None]:
@@ -63,7 +54,7 @@ def activation(ctx: Context, e) -> tuple[str | None, str | None]:
     if name == "torch.nn.SiLU":
         return "silu", None
     if name == "torch.nn.GELU":
-        args = [(a.keyword.value if a.keyword else "approximate", _code(a.value)) for a in ctor.args]
+        args = [(a.keyword.value if a.keyword else "approximate", code_of(a.value)) for a in ctor.args]
         if not args:
             return "gelu", "none"
         if len(args) == 1 and args[0][0] == "approximate" and args[0][1].strip("'\"") in ("none", "tanh") \
@@ -148,16 +139,19 @@ def _find_linear_gelu(ctx: Context, node: Node, raw, tree):
     kind, approx = activation(ctx, tree)
     linear = tree.args[0]
     env = {"$x": linear.args[0], "$fc": dict(linear.kw)["__module__"]}
-    if _is_conv1d(linear) and kind == "gelu":     # linear_act knows Conv1D's transposed weight
-        kind, approx = "config", "gelu"
     if kind == "config" and (approx in GELU_NAMES or approx is None and not _config_known(ctx)):
         # GELU by the config's default: checked again on every call by kiln.kernels.linear_act
         env["$act"] = dict(tree.kw)["__module__"]
         return Found(env, [Node("kiln.kernels.linear_act", (Var("$x"), Var("$fc"), Var("$act")))])
     if kind != "gelu":
         return None
-    lines = [Node("kiln.kernels.linear_gelu", (Var("$x"), Attr(Var("$fc"), "weight"), Attr(Var("$fc"), "bias")),
-                  (("approximate", Const(approx)),))]
+    weight = Attr(Var("$fc"), "weight")
+    lines = []
+    if _is_conv1d(linear):       # Conv1D stores its weight (in, out): the kernel takes weight.t()
+        lines.append(Node(".t", (weight,), out=Var("$w")))
+        weight = Var("$w")
+    lines.append(Node("kiln.kernels.linear_gelu", (Var("$x"), weight, Attr(Var("$fc"), "bias")),
+                      (("approximate", Const(approx)),)))
     return Found(env, lines)
 
 
@@ -186,7 +180,7 @@ def is_rotate_half(fn) -> bool:
         while d is not None and d.op == "=" and isinstance(d.args[0], Var):
             d = fn.defs.get(d.args[0].name)
         item = d.args[0] if d is not None and d.op == "=" else _unpacked(fn, value.name)
-        return isinstance(item, Item) and item.base == Var(p) and _flat(item.index) == index_text
+        return isinstance(item, Item) and item.base == Var(p) and flat(item.index) == index_text
 
     return (half(neg.args[0], f"...,{p}.shape[-1]//2:") and half(pair.items[1], f"...,:{p}.shape[-1]//2"))
 
@@ -333,7 +327,7 @@ def _ctor_arg(ctx: Context, module, position: int, keyword: str) -> str | None:
         return None
     for i, a in enumerate(ctors[0].args):
         if (a.keyword is None and not a.star and i == position) or (a.keyword is not None and a.keyword.value == keyword):
-            return _flat(_code(a.value))
+            return flat(code_of(a.value))
     return None
 
 

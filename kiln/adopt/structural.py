@@ -10,6 +10,7 @@ dropout_add_layernorm, fused_qkv, linear_cross_entropy) live in `detect.py`.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -395,7 +396,7 @@ def _is_last_dim_softmax(ctx: Context, node: Node):
     if node.op == "torch.nn.Softmax" and node.module is not None:
         ctors = ctx.init_exprs(ctx.builder.operand(node.module))
         return len(ctors) == 1 and isinstance(ctors[0], cst.Call) and len(ctors[0].args) == 1 \
-            and _flat_code(ctors[0].args[0].value) == "-1"
+            and flat(code_of(ctors[0].args[0].value)) == "-1"
     return False
 
 
@@ -411,7 +412,6 @@ def _swaps_last_two(node: Node) -> bool:
 
 def _packed(code: str, value: str) -> bool:
     """Is every mention of `value`'s name in `code` a bare tuple element (`(out, probs) if ... else`)?"""
-    import re
     name = re.escape(value.split(":")[0])
     spans = list(re.finditer(rf"(?<![\w.]){name}(?!\w)", code))
     return bool(spans) and all(re.match(r"\s*[,)]", code[m.end():]) and re.search(r"[(,]\s*$", code[:m.start()])
@@ -424,8 +424,14 @@ def _only_in_tuples(node: Node, value: str) -> bool:
     return not any(_reads(Node("=", (a,)), value) for a in direct)
 
 
-def _flat_code(node) -> str:
-    return "".join(cst.Module(body=[]).code_for_node(node).split())
+def code_of(node) -> str:
+    """The source text of a libcst node."""
+    return cst.Module(body=[]).code_for_node(node)
+
+
+def flat(text: str) -> str:
+    """`text` without whitespace, for comparing source fragments."""
+    return re.sub(r"\s+", "", text)
 
 
 def _tensor_vars(node: Node) -> list[str]:

@@ -36,9 +36,14 @@ def assert_same_numerics(original: str, rewritten: str, cls: str, args=(), shape
         for p in ref.parameters():          # non-trivial weights, not the ones/zeros init
             p.copy_(torch.randn_like(p))
     new.load_state_dict(ref.state_dict())
-    x = torch.randn(*shape, dtype=dtype)
+    assert_same_training(ref, new, torch.randn(*shape, dtype=dtype), atol=atol, rtol=rtol)
+
+
+def assert_same_training(ref, new, x, *extra, atol=1e-6, rtol=1e-5):
+    """`ref(x, *extra)` and `new(x, *extra)` (same weights) agree: output, and the gradients of `x` and
+    of every parameter for one random output gradient."""
     x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out_ref, out_new = ref(x_ref), new(x_new)
+    out_ref, out_new = ref(x_ref, *extra), new(x_new, *extra)
     torch.testing.assert_close(out_new, out_ref, atol=atol, rtol=rtol)
     grad = torch.randn_like(out_ref)
     out_ref.backward(grad)

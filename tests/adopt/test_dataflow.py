@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.adopt import rewrite_source
-from tests.adopt.helpers import assert_same_numerics, load, rewrite
+from tests.adopt.helpers import load, rewrite
 
 # BERT (transformers 4.x) style: relative-position branch, mask under `if`, head mask, probs returned
 BERT_ATTENTION = """\

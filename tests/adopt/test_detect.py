@@ -1,8 +1,7 @@
-"""The kiln-kernel rules of issue 6: swiglu and linear_gelu rewrite to kiln.kernels when the activation
-is known; rope, dropout_add_layernorm, fused_qkv and linear_cross_entropy (and config activations) are
-reported with applied=false and a reason."""
+"""The kiln-kernel rules of issue 6: swiglu and linear_gelu rewrite to kiln.kernels (config activations
+through the run-time guarded linear_act / act_mul); dropout_add_layernorm, fused_qkv,
+linear_cross_entropy and unpaired rope are reported with applied=false and a reason."""
 import pytest
-import torch
 
 from tests.adopt.helpers import assert_same_numerics, rewrite
 
@@ -214,3 +213,29 @@ def test_cross_entropy_of_a_classifier_is_not_linear_cross_entropy():
     src = REPORTED.replace("self.lm_head", "self.classifier")
     _, _, matches = rewrite(src, rules=["linear_cross_entropy"])
     assert matches == []
+
+
+CONV1D = """\
+import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc = Conv1D(12, 8)
+        self.act = nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        return self.act(self.c_fc(x)) + F.gelu(self.c_fc(x))
+"""
+
+
+def test_linear_gelu_on_gpt2_conv1d_transposes_the_weight():
+    """transformers' Conv1D stores its weight (in, out): the kernel call passes weight.t()."""
+    pytest.importorskip("transformers")
+    src, new, matches = rewrite(CONV1D, rules=["linear_gelu"])
+    assert [(m.rule, m.applied) for m in matches] == [("linear_gelu", True)] * 2
+    assert 'kiln.kernels.linear_gelu(x, self.c_fc.weight.t(), self.c_fc.bias, approximate="tanh")' in new
+    assert_same_numerics(src, new, "MLP", atol=1e-5)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tests.adopt.helpers import load, rewrite
+from tests.adopt.helpers import assert_same_training, load, rewrite
 
 MODULE = """\
 import math
@@ -68,17 +68,7 @@ def test_forms_rewrite_and_match_numerics(form):
     ref = ref_cls().eval()           # eval: dropout off, so the reference is deterministic
     rew = new_cls().eval()
     rew.load_state_dict(ref.state_dict())
-    x = torch.randn(2, 5, 16)
-    mask = torch.randn(5, 5)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = ref(xa, mask), rew(xb, mask)
-    torch.testing.assert_close(yb, ya, atol=1e-5, rtol=1e-5)
-    g = torch.randn_like(ya)
-    ya.backward(g)
-    yb.backward(g)
-    torch.testing.assert_close(xb.grad, xa.grad, atol=1e-5, rtol=1e-5)
-    for pa, pb in zip(ref.parameters(), rew.parameters()):
-        torch.testing.assert_close(pb.grad, pa.grad, atol=1e-5, rtol=1e-5)
+    assert_same_training(ref, rew, torch.randn(2, 5, 16), torch.randn(5, 5), atol=1e-5, rtol=1e-5)
 
 
 def test_dropout_text_and_training_mode_runs():

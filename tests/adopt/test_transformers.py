@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kiln.adopt import rewrite_source
+from tests.adopt.helpers import assert_same_training
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(transformers.__file__)
@@ -123,16 +124,7 @@ def test_rewritten_modules_compute_the_same(relpath, build):
         for p in ref.parameters():
             p.copy_(torch.randn_like(p))
     rew.load_state_dict(ref.state_dict())
-    x = torch.randn(2, 7, 16)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = ref(xa), rew(xb)
-    torch.testing.assert_close(yb, ya, atol=1e-5, rtol=1e-5)
-    g = torch.randn_like(ya)
-    ya.backward(g)
-    yb.backward(g)
-    torch.testing.assert_close(xb.grad, xa.grad, atol=1e-5, rtol=1e-5)
-    for pa, pb in zip(ref.parameters(), rew.parameters()):
-        torch.testing.assert_close(pb.grad, pa.grad, atol=1e-5, rtol=1e-5)
+    assert_same_training(ref, rew, torch.randn(2, 7, 16), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("relpath", ["models/llama/modeling_llama.py", "models/gpt2/modeling_gpt2.py"])
