@@ -56,22 +56,36 @@ def build(args):
 def make_mode(name, model, ids):
     """A zero-argument function running one training step of `model` in mode `name`."""
     if name.startswith("kiln"):
-        # "-nofuse": every dialect but `kiln`, so no subgraph is fused into Kiln's kernels
-        dialects = [d for d in kiln_dialects.enabled() if d != "kiln"] if "-nofuse" in name else None
+        # "-no<dialect>" leaves that dialect out ("-nofuse": `kiln`, so nothing is fused into Kiln's kernels)
+        off = {"kiln" if part == "nofuse" else part[2:] for part in name.split("-")[1:] if part.startswith("no")}
+        dialects = [d for d in kiln_dialects.enabled() if d not in off] if off else None
         step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-4, weight_decay=0.01),
                             amp="bf16" if "-bf16" in name else None, dialects=dialects)
         return lambda: step(input_ids=ids, labels=ids)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     low = name.endswith("bf16")
+    forward = torch.compile(model) if name.startswith("compile") else model
 
     def eager_step():
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         return loss.detach()
     return eager_step
+
+
+def _valid_mode(name: str) -> bool:
+    base, *parts = name.split("-")
+    if base not in ("eager", "compile", "kiln"):
+        return False
+    for part in parts:
+        if part == "bf16" or (base == "kiln" and part == "nofuse"):
+            continue
+        if base != "kiln" or not part.startswith("no") or part[2:] not in kiln_dialects.enabled():
+            return False
+    return True
 
 
 def quartiles(xs):
@@ -82,7 +96,8 @@ def quartiles(xs):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["llama", "gpt2", "bert"], default="llama")
-    p.add_argument("--modes", default="eager,kiln", help="comma list of eager, kiln, eager-bf16, kiln-bf16, kiln-nofuse, kiln-bf16-nofuse")
+    p.add_argument("--modes", default="eager,kiln", help="comma list of eager, compile (torch.compile), kiln, each with an optional -bf16; "
+                   "kiln modes also take -no<dialect> (-noinductor, -nokiln; -nofuse = -nokiln)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -95,10 +110,11 @@ def main() -> None:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
 
-    known = {"eager", "kiln", "eager-bf16", "kiln-bf16", "kiln-nofuse", "kiln-bf16-nofuse"}
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not names or set(names) - known:
-        p.error(f"--modes takes a comma list of {sorted(known)}")
+    bad = [m for m in names if not _valid_mode(m)]
+    if not names or bad:
+        p.error(f"--modes: {bad or 'nothing'} not understood; eager, compile or kiln, then -bf16, then for kiln "
+                f"-no<dialect> with a dialect of {sorted(kiln_dialects.enabled())}")
     base = build(args)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
     modes = {name: make_mode(name, copy.deepcopy(base), ids) for name in names}
@@ -122,12 +138,12 @@ def main() -> None:
                           "torch": torch.__version__}, "config": vars(args), "modes": {}}
     print(f"\n{args.model} {args.layers}L h{args.hidden} i{args.intermediate} v{args.vocab}, batch {args.batch} x "
           f"seq {args.seq}, {torch.get_num_threads()} threads, {args.steps} measured steps after {args.warmup} warm-up")
-    print(f"{'mode':<10} {'first step s':>12} {'median ms':>10} {'IQR ms':>14} {'tokens/s':>9} {'final loss':>10}")
+    print(f"{'mode':<18} {'first step s':>12} {'median ms':>10} {'IQR ms':>14} {'tokens/s':>9} {'final loss':>10}")
     for m in modes:
         q1, med, q3 = quartiles(times[m])
         result["modes"][m] = {"first_step_s": first[m], "median_step_s": med, "q1_s": q1, "q3_s": q3,
                               "tokens_per_s": tokens / med, "final_loss": losses[m]}
-        print(f"{m:<10} {first[m]:>12.2f} {med * 1e3:>10.1f} {q1 * 1e3:>6.1f}-{q3 * 1e3:<7.1f} {tokens / med:>9.0f} "
+        print(f"{m:<18} {first[m]:>12.2f} {med * 1e3:>10.1f} {q1 * 1e3:>6.1f}-{q3 * 1e3:<7.1f} {tokens / med:>9.0f} "
               f"{losses[m]:>10.4f}")
     for dtype in ("", "-bf16"):
         e, k = result["modes"].get("eager" + dtype), result["modes"].get("kiln" + dtype)

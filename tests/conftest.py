@@ -17,6 +17,17 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _regions_only_where_asked(request, monkeypatch):
+    """The inductor dialect compiles C++ for every new fused region (about a second each): tests that
+    are about it are marked `inductor`; the others compile without it (KILN_DIALECTS=-inductor)."""
+    if request.node.get_closest_marker("inductor") is None:
+        monkeypatch.setenv("KILN_DIALECTS", "-inductor")
+    else:
+        monkeypatch.delenv("KILN_DIALECTS", raising=False)
+    yield
+
+
 @pytest.fixture
 def kiln_log(caplog):
     caplog.set_level(logging.INFO, logger="kiln")

@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -97,9 +98,28 @@ class Fusion:
         return f"{self.dialect.name}:{self.name}"
 
 
+@dataclass
+class RegionFusion:
+    """A dialect that compiles whole regions of elementwise/reduction ops (`kiln.passes.regions`).
+
+    `accepts(node)` says which nodes it can put in a region; `compile_all(regions)` gives each region
+    its compiled kernel (`region.compiled`), or leaves it None (the region runs its reference ops)."""
+
+    dialect: Dialect
+    accepts: Callable
+    compile_all: Callable
+    max_ops: int = 64
+    doc: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.dialect.name}:region"
+
+
 DIALECTS: dict[str, Dialect] = {}
 _IMPLS: dict[Any, list[Impl]] = {}
 _FUSIONS: list[Fusion] = []
+_REGIONS: list[RegionFusion] = []
 
 
 def dialect(name: str, priority: int, devices=("cpu", "cuda"), doc: str = "") -> Dialect:
@@ -147,6 +167,23 @@ def fusion(d: Dialect, name: str, pattern: Any, build: Callable, *, priority: in
     return f
 
 
+def region_provider(d: Dialect, accepts: Callable, compile_all: Callable, max_ops: int = 64,
+                    doc: str = "") -> RegionFusion:
+    r = RegionFusion(d, accepts, compile_all, max_ops, doc)
+    _REGIONS.append(r)
+    return r
+
+
+def region_fusion(names: tuple[str, ...]) -> RegionFusion | None:
+    """The region dialect to use: the first enabled one in preference order (None: no region fusion)."""
+    _ensure_loaded()
+    for n in names:
+        for r in _REGIONS:
+            if r.dialect.name == n:
+                return r
+    return None
+
+
 def fusions(names: tuple[str, ...], phase: str) -> list[Fusion]:
     """The fusions of enabled dialects for `phase`, in the order to try them: dialect preference
     (the order of `names`), then priority."""
@@ -179,10 +216,33 @@ _enabled: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVa
 
 
 def enabled() -> tuple[str, ...]:
-    """The enabled dialects, in the order given by the innermost `kiln.dialects(...)` (all by default)."""
+    """The enabled dialects, in the order given by the innermost `kiln.dialects(...)`; outside one, all
+    of them by priority, as changed by $KILN_DIALECTS (see `from_env`)."""
     _ensure_loaded()
     chosen = _enabled.get()
-    return chosen if chosen is not None else tuple(sorted(DIALECTS, key=lambda n: -DIALECTS[n].priority))
+    if chosen is not None:
+        return chosen
+    everything = tuple(sorted(DIALECTS, key=lambda n: -DIALECTS[n].priority))
+    return from_env(os.environ.get("KILN_DIALECTS", ""), everything)
+
+
+def from_env(value: str, everything: tuple[str, ...]) -> tuple[str, ...]:
+    """$KILN_DIALECTS: "sdpa,kiln" enables those (in that order, aten last); "-inductor,-upcast" turns
+    those off and keeps the rest. Empty: everything."""
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    if not items:
+        return everything
+    off = [x[1:] for x in items if x.startswith("-")]
+    on = [x for x in items if not x.startswith("-")]
+    if off and on:
+        raise KilnError(f"KILN_DIALECTS={value!r}: either list the dialects to use or the ones to turn off "
+                        "(prefixed with '-'), not both")
+    unknown = [n for n in off + on if n not in DIALECTS]
+    if unknown:
+        raise KilnError(f"KILN_DIALECTS={value!r}: unknown dialect(s) {unknown}; available: {sorted(DIALECTS)}")
+    if "aten" in off:
+        raise KilnError("KILN_DIALECTS: aten cannot be turned off: it is every op's fallback")
+    return check_names(on) if on else tuple(n for n in everything if n not in off)
 
 
 def check_names(names) -> tuple[str, ...]:
@@ -228,3 +288,4 @@ def _ensure_loaded() -> None:
         from kiln.dialects import aten, sdpa  # noqa: F401  (register)
         from kiln.dialects import kiln_kernels  # noqa: F401  (kiln.kernels custom ops)
         from kiln.dialects import upcast  # noqa: F401  (low precision on CPUs without it)
+        from kiln.dialects import inductor  # noqa: F401  (fused regions compiled by Inductor)

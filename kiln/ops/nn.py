@@ -7,7 +7,7 @@ import math
 import torch
 
 from kiln.ops.common import arg, reshape, shape
-from kiln.ops.registry import Cast, Kind, OpDef, defop, register
+from kiln.ops.registry import Cast, Kind, OpDef, defop, nondiff, register
 
 aten = torch.ops.aten
 LOW, F32 = Cast.LOWER, Cast.FP32
@@ -193,3 +193,13 @@ def _attention_flops(n) -> float:
 
 defop(aten._scaled_dot_product_flash_attention_for_cpu.default, vjp_flash_cpu, Kind.ATTENTION, LOW,
       cost=_attention_flops)
+
+
+# ---- backward kernels the rules above emit ------------------------------------------------------
+# Facts for the passes after autodiff (region fusion reads the kind); never differentiated again.
+nondiff([aten.gelu_backward.default, aten.threshold_backward.default, aten.tanh_backward.default,
+         aten.sigmoid_backward.default, aten.silu_backward.default, aten.native_dropout_backward.default,
+         aten.elu_backward.default, aten.hardtanh_backward.default, aten.leaky_relu_backward.default],
+        Kind.POINTWISE)
+nondiff([aten.native_layer_norm_backward.default, aten.native_batch_norm_backward.default], Kind.NORM)
+nondiff([aten._softmax_backward_data.default, aten._log_softmax_backward_data.default], Kind.REDUCTION)

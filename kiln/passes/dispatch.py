@@ -6,11 +6,15 @@ from torch._ops import OpOverload
 from kiln.dialects import registry as dialects
 from kiln.errors import UnsupportedError
 from kiln.ir.graph import Graph
+from kiln.passes.regions import Region
 
 
 def dispatch(graph: Graph, names: tuple[str, ...]) -> int:
     generic: dict = {}
     for n in graph.nodes:
+        if isinstance(n.target, Region):     # a fused region: its dialect gave it its kernel
+            n.impl = n.target.impl
+            continue
         impl = dialects.select(n, names, "kernel")
         if impl is None:
             if not isinstance(n.target, OpOverload) and not n.op.name.startswith("kiln.fallback"):

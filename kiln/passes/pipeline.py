@@ -25,6 +25,7 @@ from kiln.passes.dce import dead_code_elimination
 from kiln.passes.dispatch import dispatch
 from kiln.passes.fuse import fuse
 from kiln.passes.noops import remove_noops
+from kiln.passes.regions import fuse_regions
 from kiln.passes.verify import verify
 
 log = logging.getLogger("kiln")
@@ -99,6 +100,7 @@ PIPELINE: list[Pass] = [
     ("cse", lambda c: common_subexpression_elimination(c.graph)),
     ("dce", lambda c: dead_code_elimination(c.graph)),
     ("fuse", lambda c: fuse(c.graph, c.dialects, "training")),    # e.g. all AdamW updates -> one kernel
+    ("regions", lambda c: fuse_regions(c.graph, c.dialects)),   # elementwise/reduction regions -> Inductor
     ("dispatch", lambda c: dispatch(c.graph, c.dialects)),       # each node -> a dialect's kernel
 ]
 

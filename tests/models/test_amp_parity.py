@@ -22,6 +22,18 @@ def autocast_loss(model, args, kwargs, loss_fn, dtype):
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "bert", "gpt2", "llama", "t5", "vit"])
 def test_bf16_loss_after_20_steps_matches_autocast(name):
+    _bf16_matches_autocast(name)
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_bf16_with_inductor_regions_matches_autocast(name, monkeypatch):
+    monkeypatch.setenv("KILN_INDUCTOR_KEEP", "all")      # every compiled region runs
+    step = _bf16_matches_autocast(name)
+    assert any(n.op.name == "kiln.region" for n in step.graph.nodes)
+
+
+def _bf16_matches_autocast(name):
     torch.manual_seed(0)
     model, args, kwargs, loss_fn = zoo.MODELS[name]()
     ref = copy.deepcopy(model)
@@ -36,6 +48,7 @@ def test_bf16_loss_after_20_steps_matches_autocast(name):
     assert abs(got.item() - want.item()) <= 0.02 * abs(want.item()), (got.item(), want.item())
     assert all(p.dtype == torch.float32 for p in model.parameters())          # master weights stay fp32
     assert all(t.dtype == torch.float32 for s in step.state.values() for k, t in s.items() if k != "step")
+    return step
 
 
 def test_fp16_with_loss_scaling_matches_autocast_and_gradscaler():

@@ -8,6 +8,7 @@ import torch
 
 import kiln
 from kiln.capture import extract_loss
+from kiln.passes.regions import Region
 from tests.models import zoo
 
 
@@ -15,22 +16,30 @@ def eager_loss(model, args, kwargs, loss_fn):
     return loss_fn(model, *args, **kwargs) if loss_fn else extract_loss(model(*args, **kwargs))
 
 
-def train_both(name, kiln_opt, torch_opt_fn, steps=5, dialects=None):
+def train_both(name, kiln_opt, torch_opt_fn, steps=5, dialects=None, noise_tolerant=False):
+    """`noise_tolerant`: parameters whose true gradient is zero (a key projection's bias: softmax ignores a
+    shift shared by all keys) get rounding noise as gradient, which Adam scales up to lr-sized steps;
+    any other summation order (a fused kernel) gives other noise. Those are compared to within
+    lr * steps; every other parameter as tightly as ever."""
     torch.manual_seed(0)
     model, args, kwargs, loss_fn = zoo.MODELS[name]()
     model.train()
     ref = copy.deepcopy(model)
     step = kiln.compile(model, optimizer=kiln_opt, loss_fn=loss_fn, dialects=dialects, verify=True)
     opt = torch_opt_fn(ref.parameters())
-    for _ in range(steps):
+    noise: set[str] = set()
+    for i in range(steps):
         got = step(*args, **kwargs)
         opt.zero_grad()
         want = eager_loss(ref, args, kwargs, loss_fn)
         want.backward()
+        if i == 0 and noise_tolerant:
+            noise = {n for n, q in ref.named_parameters() if q.grad is not None and q.grad.abs().max() < 1e-7}
         opt.step()
         torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: parameter {n}: {m}")
+        atol = kiln_opt.lr * steps if n in noise else 1e-5
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: parameter {n}: {m}")
     for (n, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
         torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: buffer {n}: {m}")
     return step
@@ -42,6 +51,19 @@ def test_adamw_parity(name):
                       lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01))
     fallbacks = [n.op.name for n in step.graph.nodes if n.op.name == "kiln.fallback_forward"]
     assert not fallbacks, f"{name} needed gradient fallbacks: {fallbacks}"
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("name", list(zoo.MODELS))
+def test_adamw_parity_with_inductor_regions(name, monkeypatch):
+    """The default dialect set, with every region Inductor compiles kept (faster than ATen here or not)."""
+    monkeypatch.setenv("KILN_INDUCTOR_KEEP", "all")
+    step = train_both(name, kiln.optim.AdamW(lr=1e-3, weight_decay=0.01),
+                      lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01), steps=3, noise_tolerant=True)
+    regions = [n.target for n in step.graph.nodes if isinstance(n.target, Region)]
+    assert all(r.compiled is not None and r.failed is None for r in regions)
+    if name in ("bert", "gpt2", "llama", "t5", "vit"):
+        assert regions, f"{name}: no fused region"
 
 
 @pytest.mark.parametrize("name", ["mlp", "llama"])

@@ -1,0 +1,252 @@
+"""The `inductor` dialect: fused regions of elementwise/reduction ops compiled by PyTorch Inductor.
+
+The `regions` pass (`kiln/passes/regions.py`) groups what pattern fusion left between matmuls; this
+dialect says which ops it can take (those Inductor lowers or decomposes into ops it lowers, never one
+it would run as an opaque fallback) and compiles each region to one kernel module (C++/OpenMP on CPU,
+Triton on GPU):
+
+    region ops -> torch.fx graph -> Inductor's decompositions (make_fx, fake tensors)
+               -> compile_fx_inner -> the generated Python wrapper + kernels
+
+Identical regions (same structural key: ops, constants, shapes, strides, dtypes) are compiled once.
+The generated wrapper source is kept on disk under the structural key (`cache_dir()`), so a second
+run of the same model loads its kernels instead of compiling them; Inductor keeps the built kernel
+libraries in its own cache. A region that fails to compile runs its ATen ops instead, with a warning.
+
+Fused is not always faster: on a CPU, ATen's own kernels for layer norm or GELU backward are hard to
+beat. Each distinct region is therefore timed once against its ATen ops (interleaved medians, on
+inputs of its shapes; the result is cached beside the kernel) and replaces them only when it takes
+at most 95 % of their time (`KILN_INDUCTOR_KEEP=all` keeps every compiled region).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import operator
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch._ops import OpOverload
+
+from kiln.dialects.registry import dialect, region_provider
+from kiln.ops.registry import Kind
+
+log = logging.getLogger("kiln")
+
+INDUCTOR = dialect("inductor", priority=3, devices=("cpu", "cuda"),
+                   doc="PyTorch Inductor: regions of elementwise/reduction ops compiled to fused kernels")
+
+_KINDS = (Kind.POINTWISE, Kind.REDUCTION, Kind.VIEW, Kind.NORM)
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.bool, torch.int64, torch.int32,
+           torch.int8, torch.uint8)
+
+
+@functools.cache
+def _inductor_tables():
+    from torch._inductor import lowering
+    from torch._inductor.decomposition import select_decomp_table
+    return lowering.lowerings, lowering.fallbacks, select_decomp_table()
+
+
+def accepts(n) -> bool:
+    """Whether Inductor can compile `n` as part of a fused kernel."""
+    t = n.target
+    if not isinstance(t, OpOverload) or t.namespace != "aten" or n.op.kind not in _KINDS or n.op.side_effects:
+        return False
+    if not n.outputs or any(o.meta is None or o.meta.dtype not in _DTYPES for o in n.outputs):
+        return False
+    if any(v.meta is None or v.meta.dtype not in _DTYPES for v in n.inputs):
+        return False
+    lowerings, fallbacks, decomps = _inductor_tables()
+    return (t in lowerings and t not in fallbacks) or t in decomps
+
+
+def cache_dir() -> Path:
+    """Where compiled regions are kept: $KILN_CACHE_DIR/inductor (default ~/.cache/kiln/inductor), one
+    folder per torch version."""
+    root = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+    return root / "inductor" / f"torch-{torch.__version__}"
+
+
+def compile_all(regions) -> None:
+    """Give every region whose kernel is worth it its compiled kernel (`region.compiled`); each distinct
+    structural key is compiled (or loaded from the cache) once, and timed once against its ATen ops."""
+    by_key: dict[str, list] = {}
+    for r in regions:
+        by_key.setdefault(r.key, []).append(r)
+    folder = cache_dir()
+    cached = {k for k in by_key if (folder / f"{k}.py").exists()}
+    todo = len(by_key) - len(cached)
+    t0 = time.perf_counter()
+    if todo:
+        log.info("kiln: inductor: compiling %d distinct fused regions (%d regions, %d cached)...",
+                 todo, len(regions), len(cached))
+    done, slower = 0, []
+    for key, group in by_key.items():
+        first = group[0]
+        known = _cached_timing(folder, key)
+        if known is not None and not _worth_it(known):      # measured before: nothing to load
+            slower.append(first.name)
+            for r in group:
+                r.timing = known
+            continue
+        try:
+            source = _load_source(folder, key)
+            if source is None:
+                source = _compile_source(first)
+                _store_source(folder, key, source)
+                done += 1
+                log.info("kiln: inductor: %d/%d %s (%.1fs)", done, todo, first.name, time.perf_counter() - t0)
+            kernel = _load_kernel(source)
+            timing = _timing(folder, key, first, kernel)
+        except Exception as exc:     # a region Inductor cannot compile runs its ATen ops
+            log.warning("kiln: inductor could not compile fused region %s (%s: %s); its %d ops run unfused",
+                        first.name, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", len(first.nodes))
+            for r in group:
+                r.failed = f"compile: {type(exc).__name__}"
+            continue
+        for r in group:
+            r.timing = timing
+        if not _worth_it(timing):
+            slower.append(first.name)
+            continue
+        for r in group:
+            r.compiled = kernel
+    if todo:
+        log.info("kiln: inductor: compiled %d regions in %.1fs", todo, time.perf_counter() - t0)
+    if slower:
+        log.info("kiln: inductor: %d of %d distinct regions were not faster than their ATen ops here and stay "
+                 "unfused (KILN_INDUCTOR_KEEP=all keeps them): %s", len(slower), len(by_key), ", ".join(slower))
+
+
+KEEP_IF_FASTER = 0.95      # a compiled region replaces its ATen ops only if it takes at most 95 % of their time
+
+
+def keep() -> str:
+    """Which compiled regions replace their ATen ops: "faster" (default: those measured faster on this
+    machine) or "all" (KILN_INDUCTOR_KEEP=all)."""
+    value = os.environ.get("KILN_INDUCTOR_KEEP", "faster")
+    if value not in ("faster", "all"):
+        raise ValueError(f"KILN_INDUCTOR_KEEP must be 'faster' or 'all', got {value!r}")
+    return value
+
+
+def _worth_it(timing: dict) -> bool:
+    return keep() == "all" or timing["compiled_ms"] <= KEEP_IF_FASTER * timing["aten_ms"]
+
+
+def _cached_timing(folder: Path, key: str) -> dict | None:
+    try:
+        timing = json.loads((folder / f"{key}.timing.json").read_text())
+        return timing if set(timing) == {"compiled_ms", "aten_ms"} else None
+    except (OSError, ValueError):
+        return None
+
+
+def _timing(folder: Path, key: str, region, kernel) -> dict:
+    """Median time of the compiled kernel and of the region's ATen ops on inputs of its shapes (5 runs
+    each, interleaved, after a warm-up), kept beside the kernel in the cache: measured once per machine."""
+    cached = _cached_timing(folder, key)
+    if cached is not None:
+        return cached
+    path = folder / f"{key}.timing.json"
+    args = [_example(v.meta) for v in region.inputs]
+    sync = torch.cuda.synchronize if any(a.is_cuda for a in args) else (lambda: None)
+    runs: dict[str, list[float]] = {"compiled_ms": [], "aten_ms": []}
+    for i in range(6):
+        for name, fn in (("compiled_ms", lambda: kernel(list(args))), ("aten_ms", lambda: region.reference(*args))):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            if i:
+                runs[name].append((time.perf_counter() - t) * 1e3)
+    timing = {k: statistics.median(v) for k, v in runs.items()}
+    _write_atomic(folder, path.name, json.dumps(timing))
+    return timing
+
+
+def _example(meta) -> torch.Tensor:
+    t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
+    return t.normal_() if meta.dtype.is_floating_point else t.fill_(1)
+
+
+def _load_source(folder: Path, key: str) -> str | None:
+    try:
+        return (folder / f"{key}.py").read_text()
+    except OSError:
+        return None
+
+
+def _store_source(folder: Path, key: str, source: str) -> None:
+    _write_atomic(folder, f"{key}.py", source)
+
+
+def _write_atomic(folder: Path, name: str, text: str) -> None:
+    """Temp file + rename: a reader never sees half a file. A cache that cannot be written only costs
+    the next run a compile."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, folder / name)
+    except OSError as exc:
+        log.warning("kiln: inductor: cannot write the region cache %s (%s)", folder, exc)
+
+
+def to_fx(region) -> torch.fx.GraphModule:
+    """The region as an FX graph of its ATen ops: one placeholder per input, a tuple of its outputs."""
+    g = torch.fx.Graph()
+    env = {v.uid: g.placeholder(f"in{i}") for i, v in enumerate(region.inputs)}
+
+    def arg(x):
+        from kiln.ir.graph import Value
+        if isinstance(x, Value):
+            return env[x.uid]
+        if isinstance(x, (list, tuple)):
+            return type(x)(arg(i) for i in x)
+        return x
+
+    for n in region.nodes:
+        call = g.call_function(n.target, arg(tuple(n.args)), {k: arg(v) for k, v in n.kwargs.items()})
+        if len(n.outputs) == 1 and not _returns_sequence(n.target):
+            env[n.outputs[0].uid] = call
+        else:
+            for j, o in enumerate(n.outputs):
+                env[o.uid] = g.call_function(operator.getitem, (call, j))
+    g.output(tuple(env[o.uid] for o in region.outputs))
+    return torch.fx.GraphModule({}, g)
+
+
+def _returns_sequence(t: OpOverload) -> bool:
+    rets = t._schema.returns
+    return len(rets) != 1 or str(rets[0].type).startswith("List")
+
+
+def _compile_source(region) -> str:
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+    example = [torch.empty_strided(v.meta.shape, v.meta.stride, dtype=v.meta.dtype, device=v.meta.device)
+               for v in region.inputs]
+    gm = make_fx(to_fx(region), decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
+    compiled = compile_fx_inner(gm, example)
+    source = getattr(compiled, "source_code", None)
+    if not source:
+        raise RuntimeError("Inductor returned no generated source")
+    return source
+
+
+def _load_kernel(source: str):
+    from torch._inductor.codecache import PyCodeCache
+    return PyCodeCache.load(source).call
+
+
+region_provider(INDUCTOR, accepts, compile_all, max_ops=64,
+                doc="regions of elementwise/broadcast/reduction ops between matmuls, one Inductor kernel each")

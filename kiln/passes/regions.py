@@ -1,0 +1,298 @@
+"""Region fusion: the elementwise, broadcast and reduction ops left after pattern fusion -> fused regions.
+
+Runs on the whole training graph (forward, backward and optimizer), after pattern fusion and before
+dispatch, when a dialect that compiles regions is enabled (`inductor`). The dialect says which nodes
+it can compile (`RegionFusion.accepts`); this pass decides how they are grouped, walking the graph
+in program order:
+
+- producer/consumer: a node joins the region(s) that produce its inputs (several producer regions
+  merge into one);
+- siblings: otherwise it joins a region that reads one of the same inputs (two reductions of one
+  tensor in a layer-norm backward);
+- a view joins only a region that produces its input: a view of a parameter or of a matmul result
+  costs nothing alone;
+- never across a matmul or any other op the dialect does not take, never across phases, at most
+  `max_ops` ops per region.
+
+A fused region is placed where its last op was, so every value it reads is computed before it. A
+node may therefore join a region only when no op outside the region between them reads one of the
+region's values (an op that needs a value the region computes would otherwise run before the region
+produces it): this one rule keeps the graph acyclic and keeps a region from swallowing a path
+through a matmul. No op is ever duplicated: a reduction whose result feeds two later regions is an
+output of its own region, computed once. Ops with side effects and random ops are never in a region.
+Regions with fewer than two ops that compute (views excluded) are left unfused.
+
+Each region the dialect compiles (and finds worth it) becomes one node whose target is a `Region`: its inputs, outputs, a structural key (equal
+for regions with the same ops, constants, shapes, strides and dtypes, so repeated transformer layers
+are compiled once), and its reference implementation, the region's ATen ops as generated Python. The
+dialect's compiled kernel runs in its place; a region that cannot be compiled keeps its ops, and a
+kernel that fails at run time hands over to the reference, with a logged warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import linecache
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kiln.dialects import registry
+from kiln.ir.graph import Fused, Graph, Node, Value, tree_map_values
+from kiln.ir.printer import Symbols, call_line
+from kiln.ops.registry import Cast, Kind, OpDef
+
+log = logging.getLogger("kiln")
+
+# the op of a region node; not in the registry (no ATen target, made after autodiff: never differentiated)
+REGION_OP = OpDef("kiln.region", (), None, Kind.OPAQUE, Cast.FOLLOW, differentiable=False,
+                  doc="a fused region of elementwise/reduction ops, compiled by a region dialect")
+
+
+@dataclass(eq=False)
+class Region:
+    """A group of nodes run as one kernel. Calling it runs the compiled kernel, or the reference."""
+
+    nodes: list[Node]                 # program order
+    inputs: list[Value]               # values from outside, in first-use order
+    outputs: list[Value]              # values used after the region (or step outputs)
+    key: str                          # structural hash
+    name: str
+    reference: Callable = field(repr=False)
+    impl: Any = None                  # registry.Impl of the dialect that runs it
+    compiled: Callable | None = field(default=None, repr=False)   # kernel(list_of_inputs) -> outputs
+    checked: bool = False
+    failed: str | None = None         # why the compiled kernel is not used
+    timing: dict | None = None        # the dialect's measurement: {"compiled_ms": .., "aten_ms": ..}
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return tuple(n.op.name for n in self.nodes)
+
+    def __call__(self, *args):
+        if self.compiled is not None and self.failed is None:
+            try:
+                outs = self.compiled(list(args))
+                if not self.checked:
+                    self._check(outs)
+                return outs
+            except Exception as exc:     # a broken kernel costs speed, never the step
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("kiln: fused region %s failed at run time (%s); running its %d ops unfused from now on",
+                            self.name, self.failed, len(self.nodes))
+        return self.reference(*args)
+
+    def _check(self, outs) -> None:
+        """The first call: every output must have the shape, dtype and strides the graph expects (later
+        ops such as view depend on strides)."""
+        if len(outs) != len(self.outputs):
+            raise RuntimeError(f"compiled kernel returned {len(outs)} outputs, expected {len(self.outputs)}")
+        for t, v in zip(outs, self.outputs):
+            m = v.meta
+            if tuple(t.shape) != m.shape or t.dtype != m.dtype or (t.numel() > 1 and _strides(t) != _strides_of(m)):
+                raise RuntimeError(f"compiled kernel returned {t.dtype}{list(t.shape)} strides {tuple(t.stride())} "
+                                   f"for {v.name}, expected {m} strides {m.stride}")
+        self.checked = True
+
+
+def _strides(t) -> tuple:
+    return tuple(s for s, n in zip(t.stride(), t.shape) if n > 1)
+
+
+def _strides_of(m) -> tuple:
+    return tuple(s for s, n in zip(m.stride, m.shape) if n > 1)
+
+
+def fuse_regions(graph: Graph, names: tuple[str, ...]) -> int:
+    """Group, build and compile regions with the first enabled region dialect. Returns how many."""
+    provider = registry.region_fusion(names)
+    if provider is None:
+        return 0
+    groups = group(graph, provider.accepts, provider.max_ops)
+    if not groups:
+        return 0
+    regions = [make_region(graph, nodes, i) for i, nodes in enumerate(groups)]
+    provider.compile_all(regions)
+    kept = [r for r in regions if r.compiled is not None]     # the others keep their ops
+    _replace(graph, kept, provider)
+    return len(kept)
+
+
+def group(graph: Graph, accepts: Callable[[Node], bool], max_ops: int = 64) -> list[list[Node]]:
+    """The node groups to fuse, each in program order (see the module docstring for the rules).
+
+    Every region has a place (`at`: the index of one of its ops) where its fused node will run. A node
+    joins a region either by moving the region down to its own index, or by moving itself up to the
+    region's place; either way, every value the region reads must be computed before the place and
+    every op outside it that reads one of its values must run after it. Positions of ops already in
+    regions are their region's place, so the check holds across regions too."""
+    pos = {n.uid: i for i, n in enumerate(graph.nodes)}
+    users = graph.users()
+    members: dict[int, list[Node]] = {}       # region id -> nodes
+    at: dict[int, int] = {}                   # region id -> index of its place
+    region_of: dict[int, int] = {}            # node uid -> region id
+    readers: dict[int, list[int]] = {}        # value uid -> regions reading it
+
+    def eff(x: Node | None) -> int:
+        if x is None:
+            return -1
+        r = region_of.get(x.uid)
+        return pos[x.uid] if r is None else at[r]
+
+    def fits(nodes: list[Node], place: int) -> bool:
+        if len(nodes) > max_ops:
+            return False
+        inside = {x.uid for x in nodes}
+        for x in nodes:
+            for v in x.inputs:
+                if (v.producer is None or v.producer.uid not in inside) and eff(v.producer) >= place:
+                    return False
+            for o in x.outputs:
+                if any(u.uid not in inside and eff(u) <= place for u in users.get(o, ())):
+                    return False
+        return True
+
+    def join(n: Node, i: int) -> tuple[list[int], int] | None:
+        """Which regions n joins and the merged region's place (None: none fits)."""
+        producers = [r for r in dict.fromkeys(region_of.get(v.producer.uid) for v in n.inputs if v.producer)
+                     if r is not None and members[r][0].phase is n.phase]
+        by_place = sorted(producers, key=lambda r: -at[r])
+        if producers and fits([x for r in producers for x in members[r]] + [n], i):
+            return producers, i
+        for r in by_place:
+            if fits(members[r] + [n], i):
+                return [r], i
+            if fits(members[r] + [n], at[r]):
+                return [r], at[r]
+        if n.op.kind is Kind.VIEW:
+            return None
+        siblings = [r for r in dict.fromkeys(r for v in n.inputs for r in readers.get(v.uid, ()))
+                    if r in members and members[r][0].phase is n.phase]
+        for r in sorted(siblings, key=lambda r: -at[r]):
+            for place in (i, at[r]):
+                if fits(members[r] + [n], place):
+                    return [r], place
+        return None
+
+    for i, n in enumerate(graph.nodes):
+        if not accepts(n):
+            continue
+        chosen = join(n, i)
+        if chosen is None:
+            if n.op.kind is Kind.VIEW:     # a view alone is free: it joins a region or stays as it is
+                continue
+            chosen = ([len(at)], i)
+            members[len(at)] = []
+        regions, place = chosen
+        target = regions[0]
+        for r in regions[1:]:
+            for x in members.pop(r):
+                region_of[x.uid] = target
+                members[target].append(x)
+            del at[r]
+            for lst in readers.values():
+                lst[:] = [target if x == r else x for x in lst]
+        members[target].append(n)
+        members[target].sort(key=lambda x: pos[x.uid])
+        at[target] = place
+        region_of[n.uid] = target
+        for v in n.inputs:
+            readers.setdefault(v.uid, []).append(target)
+    return [nodes for nodes in members.values() if sum(x.op.kind is not Kind.VIEW for x in nodes) >= 2]
+
+
+def make_region(graph: Graph, nodes: list[Node], index: int) -> Region:
+    inside = {x.uid for x in nodes}
+    users = graph.users()
+    live = graph.live_outputs()
+    inputs: list[Value] = []
+    for x in nodes:
+        for v in x.inputs:
+            if (v.producer is None or v.producer.uid not in inside) and v not in inputs:
+                inputs.append(v)
+    outputs = [o for x in nodes for o in x.outputs
+               if o in live or any(u.uid not in inside for u in users.get(o, ()))]
+    key = structural_key(nodes, inputs, outputs)
+    name = f"region{index}_" + "_".join(dict.fromkeys(
+        x.op.name.split(".")[1] for x in nodes if x.op.kind is not Kind.VIEW))[:48]
+    return Region(nodes, inputs, outputs, key, name, reference_function(nodes, inputs, outputs, name))
+
+
+def structural_key(nodes: list[Node], inputs: list[Value], outputs: list[Value]) -> str:
+    """Equal for regions that compute the same thing on tensors of the same shapes, strides and dtypes."""
+    local: dict[int, tuple] = {v.uid: ("in", i) for i, v in enumerate(inputs)}
+    body = []
+    for k, x in enumerate(nodes):
+        enc = lambda v: local[v.uid]  # noqa: E731
+        body.append((str(x.target), repr(tree_map_values(enc, x.args)), repr(sorted(
+            tree_map_values(enc, x.kwargs).items()))))
+        for j, o in enumerate(x.outputs):
+            local[o.uid] = ("n", k, j)
+    sig = [(v.meta.shape, str(v.meta.dtype), v.meta.stride, v.meta.device.type) if v.meta is not None else None
+           for v in inputs]
+    text = repr((body, sig, [local[o.uid] for o in outputs]))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def reference_function(nodes: list[Node], inputs: list[Value], outputs: list[Value], name: str) -> Callable:
+    """The region's ops as straight-line Python calling their ATen kernels (the fallback)."""
+    syms = Symbols(taken={v.name for x in nodes for v in x.outputs} | {v.name for v in inputs})
+    lines = [f"def {name}({', '.join(v.name for v in inputs)}):"]
+    lines += ["    " + call_line(x, syms) for x in nodes]
+    lines.append(f"    return ({''.join(v.name + ', ' for v in outputs)})")
+    source = "\n".join(lines) + "\n"
+    filename = f"<kiln-{name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = dict(syms.globals)
+    exec(compile(source, filename, "exec"), namespace)
+    fn = namespace[name]
+    fn.source = source
+    return fn
+
+
+def _replace(graph: Graph, regions: list[Region], provider: registry.RegionFusion) -> None:
+    """Swap each region's ops for one node, in an order where every value is computed before its use
+    (a stable topological sort keyed by the original positions; a region takes its earliest op's)."""
+    unit: dict[int, object] = {}                # node uid -> the unit it runs in (itself or its region)
+    for r in regions:
+        node = Node(REGION_OP, r, tuple(r.inputs), {}, list(r.outputs), r.nodes[-1].phase, _common_scope(r.nodes),
+                    fused=Fused(provider.label, r.ops))
+        r.impl = registry.Impl(provider.dialect, r, kernel=r, name="region", fallback=False)
+        for x in r.nodes:
+            unit[x.uid] = node
+        for o in r.outputs:
+            o.producer = node
+    units = list(dict.fromkeys(unit.get(n.uid, n) for n in graph.nodes))
+    rank = {id(u): k for k, u in enumerate(units)}
+    producer = {o.uid: u for u in units for o in u.outputs}
+    deps = {id(u): {id(producer[v.uid]) for v in u.inputs if v.uid in producer} - {id(u)} for u in units}
+    waiting = {id(u): len(d) for u, d in zip(units, deps.values())}
+    consumers: dict[int, list] = {}
+    for u in units:
+        for d in deps[id(u)]:
+            consumers.setdefault(d, []).append(u)
+    ready = [(rank[id(u)], id(u), u) for u in units if not waiting[id(u)]]
+    heapq.heapify(ready)
+    order: list[Node] = []
+    while ready:
+        _, _, u = heapq.heappop(ready)
+        order.append(u)
+        for c in consumers.get(id(u), ()):
+            waiting[id(c)] -= 1
+            if not waiting[id(c)]:
+                heapq.heappush(ready, (rank[id(c)], id(c), c))
+    if len(order) != len(units):      # cannot happen if grouping kept its invariant; never emit a bad graph
+        raise AssertionError("region fusion produced a cycle")
+    graph.nodes = order
+
+
+def _common_scope(nodes: list[Node]) -> str:
+    scopes = [x.scope.split(".") for x in nodes if x.scope]
+    if not scopes:
+        return ""
+    common = []
+    for parts in zip(*scopes):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
