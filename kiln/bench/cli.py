@@ -82,6 +82,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine description here")
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of step time and peak memory here")
+    p.add_argument("--cold-cache", action="store_true",
+                   help="give every mode empty compile caches (Inductor's and Kiln's), so time to first step "
+                        "includes all compilation; default: the caches this machine already has")
     p.add_argument("--no-peak", action="store_true", help="skip measuring the peak matmul rate")
 
 
@@ -116,11 +119,12 @@ def build_config(args: argparse.Namespace) -> dict:
             raise ValueError(f"{flag} {path}: directory {folder} does not exist")
     config = {"model": args.model, "size": args.size, "overrides": overrides, "resolved": resolved,
               "seed": args.seed, "steps": args.steps, "warmup": args.warmup, "budget_s": args.budget,
-              "modes": names, "baseline": baseline}
+              "modes": names, "baseline": baseline, "cold_cache": bool(getattr(args, "cold_cache", False))}
     parts = ["kiln bench", "--model", args.model, "--modes", ",".join(names), "--size", args.size]
     parts += [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
     parts += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", f"{args.budget:g}"]
     parts += ["--seed", str(args.seed)] if args.seed else []
+    parts += ["--cold-cache"] if config["cold_cache"] else []
     parts += ["--baseline", args.baseline] if args.baseline else []
     parts += [x for flag, v in (("--json", args.json), ("--plot", args.plot)) if v for x in (flag, v)]
     config["command"] = " ".join(shlex.quote(p) if i else p for i, p in enumerate(parts))

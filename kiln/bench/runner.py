@@ -71,6 +71,9 @@ def run_worker(spec: dict, timeout_s: float, tick: Tick | None = None) -> dict:
             json.dump(spec, f)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+        if spec.get("cold_cache"):   # compile caches that start empty and go with the worker
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor-cache")
+            env["KILN_CACHE_DIR"] = os.path.join(tmp, "kiln-cache")
         log_path = os.path.join(tmp, "log.txt")
         start = time.monotonic()
         with open(log_path, "w") as log:
@@ -159,6 +162,7 @@ def run(config: dict, timeout_s: float, on_start: Callable[[str], None] | None =
         on_done and on_done(got)
     report["peak_matmul"] = peak
     common = {k: config[k] for k in ("model", "size", "overrides", "seed", "steps", "warmup", "budget_s")}
+    common["cold_cache"] = bool(config.get("cold_cache"))
     results = []
     for mode in config["modes"]:
         on_start and on_start(mode)

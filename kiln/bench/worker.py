@@ -135,7 +135,10 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
             "step_q3_s": _quantile(ordered, 0.75),
             "items_per_s": entry.items_per_batch / median,
             "achieved_flops_per_s": entry.flops_per_step / median,
-            "loss_first": loss_first, "loss_last": loss, "losses": losses}
+            "loss_first": loss_first, "loss_last": loss, "losses": losses,
+            # --cold-cache: the empty compile caches this mode started from (None: the machine's own)
+            "compile_caches": {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "KILN_CACHE_DIR")}
+            if spec.get("cold_cache") else None}
 
 
 def run(spec: dict) -> dict:

@@ -62,8 +62,30 @@ def accepts(n) -> bool:
         return False
     if any(v.meta is None or v.meta.dtype not in _DTYPES for v in n.inputs):
         return False
-    lowerings, fallbacks, decomps = _inductor_tables()
-    return (t in lowerings and t not in fallbacks) or t in decomps
+    return _lowerable(t)
+
+
+@functools.cache
+def _lowerable(t: OpOverload) -> bool:
+    """Whether Inductor lowers `t` (or decomposes it into ops it lowers), never as an opaque fallback.
+    Answers are kept in the cache folder, so a run whose regions are all cached never imports Inductor
+    (about 2 s)."""
+    known = _known_ops()
+    name = str(t)
+    if name not in known:
+        lowerings, fallbacks, decomps = _inductor_tables()
+        known[name] = (t in lowerings and t not in fallbacks) or t in decomps
+        _write_atomic(cache_dir(), "lowerable.json", json.dumps(known, sort_keys=True))
+    return known[name]
+
+
+@functools.cache
+def _known_ops() -> dict[str, bool]:
+    try:
+        known = json.loads((cache_dir() / "lowerable.json").read_text())
+        return known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def cache_dir() -> Path:

@@ -30,6 +30,16 @@ def test_hanging_worker_is_killed():
     assert 5 <= hung["wall_s"] < 25
 
 
+def test_cold_cache_gives_the_worker_empty_compile_caches():
+    got = runner.run_worker(dict(CONFIG, mode="eager", steps=1, cold_cache=True), timeout_s=120)
+    assert got["status"] == "ok", got
+    caches = got["compile_caches"]
+    assert set(caches) == {"TORCHINDUCTOR_CACHE_DIR", "KILN_CACHE_DIR"}
+    assert all("kiln-bench-" in path for path in caches.values())
+    warm = runner.run_worker(dict(CONFIG, mode="eager", steps=1), timeout_s=120)
+    assert warm["compile_caches"] is None
+
+
 def test_raising_mode_reports_its_error():
     got = worker.run(dict(CONFIG, mode="eager", fault="raise"))  # in-process: run() never raises
     assert got["status"] == "failed" and "injected fault" in got["error"]

@@ -206,8 +206,8 @@ def test_inductor_region_matches_aten_and_is_cached_on_disk(cache, monkeypatch):
     got = _run(g, *tensors)
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
-    files = sorted(f.name for f in inductor.cache_dir().iterdir())
-    assert files == [f"{reg.key}.py", f"{reg.key}.timing.json"]
+    files = {f.name for f in inductor.cache_dir().iterdir()} - {"lowerable.json"}   # which ops Inductor takes
+    assert files == {f"{reg.key}.py", f"{reg.key}.timing.json"}
     assert set(reg.timing) == {"compiled_ms", "aten_ms"}
 
     # a second compilation of the same graph loads the kernel from the cache: nothing is compiled
