@@ -17,6 +17,14 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_compile_cache(tmp_path_factory):
+    """Kiln's caches (compiled regions, kernel timings) start empty for every test session."""
+    if "KILN_CACHE_DIR" not in os.environ:
+        os.environ["KILN_CACHE_DIR"] = str(tmp_path_factory.mktemp("kiln-cache"))
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _regions_only_where_asked(request, monkeypatch):
     """The inductor dialect compiles C++ for every new fused region (about a second each): tests that

@@ -16,7 +16,8 @@ libraries in its own cache. A region that fails to compile runs its ATen ops ins
 Fused is not always faster: on a CPU, ATen's own kernels for layer norm or GELU backward are hard to
 beat. Each distinct region is therefore timed once against its ATen ops (interleaved medians, on
 inputs of its shapes; the result is cached beside the kernel) and replaces them only when it takes
-at most 95 % of their time (`KILN_INDUCTOR_KEEP=all` keeps every compiled region).
+at most 95 % of their time and saves at least 0.05 ms a call (`kiln.dialects.measure`;
+`KILN_KEEP=all` keeps every compiled region).
 """
 from __future__ import annotations
 
@@ -25,14 +26,13 @@ import json
 import logging
 import operator
 import os
-import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from torch._ops import OpOverload
 
+from kiln.dialects import measure
 from kiln.dialects.registry import dialect, region_provider
 from kiln.ops.registry import Kind
 
@@ -75,24 +75,20 @@ def _lowerable(t: OpOverload) -> bool:
     if name not in known:
         lowerings, fallbacks, decomps = _inductor_tables()
         known[name] = (t in lowerings and t not in fallbacks) or t in decomps
-        _write_atomic(cache_dir(), "lowerable.json", json.dumps(known, sort_keys=True))
+        measure.write_atomic(cache_dir(), "lowerable.json", json.dumps(known, sort_keys=True))
     return known[name]
 
 
 @functools.cache
 def _known_ops() -> dict[str, bool]:
-    try:
-        known = json.loads((cache_dir() / "lowerable.json").read_text())
-        return known if isinstance(known, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    known = measure.read_json(cache_dir() / "lowerable.json")
+    return known if isinstance(known, dict) else {}
 
 
 def cache_dir() -> Path:
     """Where compiled regions are kept: $KILN_CACHE_DIR/inductor (default ~/.cache/kiln/inductor), one
     folder per torch version."""
-    root = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
-    return root / "inductor" / f"torch-{torch.__version__}"
+    return measure.cache_dir("inductor")
 
 
 def compile_all(regions) -> None:
@@ -143,59 +139,25 @@ def compile_all(regions) -> None:
         log.info("kiln: inductor: compiled %d regions in %.1fs", todo, time.perf_counter() - t0)
     if slower:
         log.info("kiln: inductor: %d of %d distinct regions were not faster than their ATen ops here and stay "
-                 "unfused (KILN_INDUCTOR_KEEP=all keeps them): %s", len(slower), len(by_key), ", ".join(slower))
-
-
-KEEP_IF_FASTER = 0.95      # a compiled region replaces its ATen ops only if it takes at most 95 % of their time
-
-
-def keep() -> str:
-    """Which compiled regions replace their ATen ops: "faster" (default: those measured faster on this
-    machine) or "all" (KILN_INDUCTOR_KEEP=all)."""
-    value = os.environ.get("KILN_INDUCTOR_KEEP", "faster")
-    if value not in ("faster", "all"):
-        raise ValueError(f"KILN_INDUCTOR_KEEP must be 'faster' or 'all', got {value!r}")
-    return value
+                 "unfused (KILN_KEEP=all keeps them): %s", len(slower), len(by_key), ", ".join(slower))
 
 
 def _worth_it(timing: dict) -> bool:
-    return keep() == "all" or timing["compiled_ms"] <= KEEP_IF_FASTER * timing["aten_ms"]
+    return measure.worth_it(timing["compiled_ms"], timing["aten_ms"])
 
 
 def _cached_timing(folder: Path, key: str) -> dict | None:
-    try:
-        timing = json.loads((folder / f"{key}.timing.json").read_text())
-        return timing if set(timing) == {"compiled_ms", "aten_ms"} else None
-    except (OSError, ValueError):
-        return None
+    got = measure.read_json(folder / f"{key}.timing.json")
+    return got if isinstance(got, dict) and set(got) == {"compiled_ms", "aten_ms"} else None
 
 
 def _timing(folder: Path, key: str, region, kernel) -> dict:
-    """Median time of the compiled kernel and of the region's ATen ops on inputs of its shapes (5 runs
-    each, interleaved, after a warm-up), kept beside the kernel in the cache: measured once per machine."""
-    cached = _cached_timing(folder, key)
-    if cached is not None:
-        return cached
-    path = folder / f"{key}.timing.json"
-    args = [_example(v.meta) for v in region.inputs]
-    sync = torch.cuda.synchronize if any(a.is_cuda for a in args) else (lambda: None)
-    runs: dict[str, list[float]] = {"compiled_ms": [], "aten_ms": []}
-    for i in range(6):
-        for name, fn in (("compiled_ms", lambda: kernel(list(args))), ("aten_ms", lambda: region.reference(*args))):
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            if i:
-                runs[name].append((time.perf_counter() - t) * 1e3)
-    timing = {k: statistics.median(v) for k, v in runs.items()}
-    _write_atomic(folder, path.name, json.dumps(timing))
-    return timing
-
-
-def _example(meta) -> torch.Tensor:
-    t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
-    return t.normal_() if meta.dtype.is_floating_point else t.fill_(1)
+    """Median time of the compiled kernel and of the region's ATen ops on inputs of its shapes, measured
+    once per machine (`kiln.dialects.measure`)."""
+    def run() -> dict:
+        args = [measure.example(v.meta) for v in region.inputs]
+        return measure.medians({"compiled_ms": lambda: kernel(list(args)), "aten_ms": lambda: region.reference(*args)})
+    return measure.timed_once(folder, key, run)
 
 
 def _load_source(folder: Path, key: str) -> str | None:
@@ -206,20 +168,7 @@ def _load_source(folder: Path, key: str) -> str | None:
 
 
 def _store_source(folder: Path, key: str, source: str) -> None:
-    _write_atomic(folder, f"{key}.py", source)
-
-
-def _write_atomic(folder: Path, name: str, text: str) -> None:
-    """Temp file + rename: a reader never sees half a file. A cache that cannot be written only costs
-    the next run a compile."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, folder / name)
-    except OSError as exc:
-        log.warning("kiln: inductor: cannot write the region cache %s (%s)", folder, exc)
+    measure.write_atomic(folder, f"{key}.py", source)
 
 
 def to_fx(region) -> torch.fx.GraphModule:

@@ -45,6 +45,7 @@ class Impl:
     priority: int = 0             # tie-break within a dialect
     name: str = ""
     fallback: bool = True         # on a run-time failure, run the op's ATen kernel instead (logged)
+    measured: bool = False        # used only where measured faster than the op's ATen kernel here
 
     @functools.cached_property
     def runnable(self) -> Callable | None:
@@ -67,7 +68,12 @@ class Impl:
 
     def accepts(self, node) -> bool:
         devices = {v.meta.device.type for v in node.outputs if v.meta is not None} or {"cpu"}
-        return devices <= set(self.dialect.devices) and bool(self.checker(node))
+        if not (devices <= set(self.dialect.devices) and bool(self.checker(node))):
+            return False
+        if self.measured:
+            from kiln.dialects.measure import faster_than_aten
+            return faster_than_aten(self, node)
+        return True
 
 
 @dataclass
@@ -129,9 +135,11 @@ def dialect(name: str, priority: int, devices=("cpu", "cuda"), doc: str = "") ->
 
 
 def kernel(d: Dialect, target: Any, fn: Callable, checker=None, priority: int = 0, name: str = "",
-           fallback: bool = True) -> Impl:
+           fallback: bool = True, measured: bool = False) -> Impl:
+    """`measured=True`: the kernel is used for a node only if it is faster than the op's ATen kernel on
+    the node's shapes on this machine (`kiln.dialects.measure`, timed once per machine)."""
     return _add(Impl(d, target, kernel=fn, checker=checker or (lambda n: True), priority=priority, name=name,
-                     fallback=fallback))
+                     fallback=fallback, measured=measured))
 
 
 def _with_fallback(impl: Impl) -> Callable:
@@ -289,3 +297,4 @@ def _ensure_loaded() -> None:
         from kiln.dialects import kiln_kernels  # noqa: F401  (kiln.kernels custom ops)
         from kiln.dialects import upcast  # noqa: F401  (low precision on CPUs without it)
         from kiln.dialects import inductor  # noqa: F401  (fused regions compiled by Inductor)
+        from kiln.dialects import onednn  # noqa: F401  (oneDNN linear where measured faster)

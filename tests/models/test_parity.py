@@ -57,7 +57,7 @@ def test_adamw_parity(name):
 @pytest.mark.parametrize("name", list(zoo.MODELS))
 def test_adamw_parity_with_inductor_regions(name, monkeypatch):
     """The default dialect set, with every region Inductor compiles kept (faster than ATen here or not)."""
-    monkeypatch.setenv("KILN_INDUCTOR_KEEP", "all")
+    monkeypatch.setenv("KILN_KEEP", "all")
     step = train_both(name, kiln.optim.AdamW(lr=1e-3, weight_decay=0.01),
                       lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01), steps=3, noise_tolerant=True)
     regions = [n.target for n in step.graph.nodes if isinstance(n.target, Region)]

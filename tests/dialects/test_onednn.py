@@ -1,0 +1,86 @@
+"""The `onednn` dialect: oneDNN linear, chosen per shape only where measured faster than ATen here."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import kiln
+from kiln.dialects import measure, onednn
+from tests.models import zoo
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+def _train(model, args, dialects, steps=3):
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=_loss, dialects=dialects)
+    for _ in range(steps):
+        loss = step(*args)
+    return step, loss
+
+
+def _loss(m, x, y):
+    return torch.nn.functional.cross_entropy(m(x), y)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model, args, _, _ = zoo.MODELS["mlp"]()
+    return model, args
+
+
+def test_onednn_linear_trains_like_eager(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_KEEP", "all")               # use it whatever it measures
+    model, args = _mlp()
+    ref = copy.deepcopy(model)
+    step, _ = _train(model, args, ["onednn"])
+    linears = [n for n in step.graph.nodes if n.op.name == "aten.linear"]
+    assert linears and all(n.impl.label == "onednn:linear" for n in linears)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        _loss(ref, *args).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("new_ms,aten_ms,chosen", [(2.0, 1.0, False), (0.5, 1.0, True), (0.99, 1.0, False),
+                                                   (0.01, 0.04, False)])
+def test_onednn_is_used_only_where_measured_faster(monkeypatch, tmp_path, kiln_log, new_ms, aten_ms, chosen):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(measure, "medians", lambda fns, runs=5: calls.append(1) or {"new_ms": new_ms, "aten_ms": aten_ms})
+    model, args = _mlp()
+    step, _ = _train(model, args, ["onednn"], steps=1)
+    labels = {n.impl.label for n in step.graph.nodes if n.op.name == "aten.linear"}
+    assert labels == ({"onednn:linear"} if chosen else {"aten"})
+    assert calls and any("onednn:linear" in r.getMessage() and ("used" if chosen else "ATen kept") in r.getMessage()
+                         for r in kiln_log.records)
+    timings = list((tmp_path / "kernels").rglob("*.timing.json"))
+    assert len(timings) == len(calls)
+    # measured once per machine: a second compilation reads the decision
+    calls.clear()
+    model2, _ = _mlp()
+    step2, _ = _train(model2, args, ["onednn"], steps=1)
+    assert not calls and {n.impl.label for n in step2.graph.nodes if n.op.name == "aten.linear"} == labels
+
+
+def test_low_precision_linear_needs_native_instructions():
+    from kiln.passes.amp import cpu_has_native
+    if cpu_has_native(torch.bfloat16):
+        pytest.skip("this CPU has native bf16: oneDNN may take bf16 here")
+    model, args = _mlp()
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=_loss, dialects=["onednn"], amp="bf16")
+    step(*args)
+    assert not any(n.impl.dialect is onednn.ONEDNN for n in step.graph.nodes)
+
+
+def test_kiln_keep_must_be_known(monkeypatch):
+    monkeypatch.setenv("KILN_KEEP", "sometimes")
+    with pytest.raises(ValueError, match="KILN_KEEP"):
+        measure.keep()
+    monkeypatch.delenv("KILN_KEEP")
+    assert measure.keep() == "faster"
