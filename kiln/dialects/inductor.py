@@ -92,36 +92,44 @@ def cache_dir() -> Path:
 
 
 def compile_all(regions) -> None:
-    """Give every region whose kernel is worth it its compiled kernel (`region.compiled`); each distinct
-    structural key is compiled (or loaded from the cache) once, and timed once against its ATen ops."""
+    """Give every region whose kernel is worth it its compiled kernel (`region.compiled`). Per distinct
+    structural key, measured once per machine and kept in the cache:
+    1. the time of its ATen ops: a region whose ops take under twice the least worthwhile saving
+       (`measure.MIN_SAVING_MS`) is not compiled at all;
+    2. the compiled kernel (compiled, or loaded from the cache) timed against them, interleaved."""
     by_key: dict[str, list] = {}
     for r in regions:
         by_key.setdefault(r.key, []).append(r)
     folder = cache_dir()
-    cached = {k for k in by_key if (folder / f"{k}.py").exists()}
-    todo = len(by_key) - len(cached)
+    everything = measure.keep() == "all"
+    plan, cheap, slower = [], [], []
+    for key, group in by_key.items():
+        timing = _measured(folder, key, group[0])
+        for r in group:
+            r.timing = timing
+        if not everything and timing["aten_ms"] < 2 * measure.MIN_SAVING_MS:
+            cheap.append(key)
+        elif "compiled_ms" in timing and not _worth_it(timing):
+            slower.append(group[0].name)
+        else:
+            plan.append(key)
+    todo = [k for k in plan if not (folder / f"{k}.py").exists()]
     t0 = time.perf_counter()
     if todo:
-        log.info("kiln: inductor: compiling %d distinct fused regions (%d regions, %d cached)...",
-                 todo, len(regions), len(cached))
-    done, slower = 0, []
-    for key, group in by_key.items():
+        log.info("kiln: inductor: compiling %d distinct fused regions (%d regions; %d cached; %d too cheap to "
+                 "be worth compiling)...", len(todo), len(regions), len(plan) - len(todo), len(cheap))
+    for key in plan:
+        group = by_key[key]
         first = group[0]
-        known = _cached_timing(folder, key)
-        if known is not None and not _worth_it(known):      # measured before: nothing to load
-            slower.append(first.name)
-            for r in group:
-                r.timing = known
-            continue
         try:
             source = _load_source(folder, key)
             if source is None:
                 source = _compile_source(first)
                 _store_source(folder, key, source)
-                done += 1
-                log.info("kiln: inductor: %d/%d %s (%.1fs)", done, todo, first.name, time.perf_counter() - t0)
+                log.info("kiln: inductor: %d/%d %s (%.1fs)", todo.index(key) + 1, len(todo), first.name,
+                         time.perf_counter() - t0)
             kernel = _load_kernel(source)
-            timing = _timing(folder, key, first, kernel)
+            timing = _measured(folder, key, first, kernel)
         except Exception as exc:     # a region Inductor cannot compile runs its ATen ops
             log.warning("kiln: inductor could not compile fused region %s (%s: %s); its %d ops run unfused",
                         first.name, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", len(first.nodes))
@@ -130,13 +138,11 @@ def compile_all(regions) -> None:
             continue
         for r in group:
             r.timing = timing
+            r.compiled = kernel if _worth_it(timing) else None
         if not _worth_it(timing):
             slower.append(first.name)
-            continue
-        for r in group:
-            r.compiled = kernel
     if todo:
-        log.info("kiln: inductor: compiled %d regions in %.1fs", todo, time.perf_counter() - t0)
+        log.info("kiln: inductor: compiled %d regions in %.1fs", len(todo), time.perf_counter() - t0)
     if slower:
         log.info("kiln: inductor: %d of %d distinct regions were not faster than their ATen ops here and stay "
                  "unfused (KILN_KEEP=all keeps them): %s", len(slower), len(by_key), ", ".join(slower))
@@ -146,18 +152,23 @@ def _worth_it(timing: dict) -> bool:
     return measure.worth_it(timing["compiled_ms"], timing["aten_ms"])
 
 
-def _cached_timing(folder: Path, key: str) -> dict | None:
-    got = measure.read_json(folder / f"{key}.timing.json")
-    return got if isinstance(got, dict) and set(got) == {"compiled_ms", "aten_ms"} else None
-
-
-def _timing(folder: Path, key: str, region, kernel) -> dict:
-    """Median time of the compiled kernel and of the region's ATen ops on inputs of its shapes, measured
-    once per machine (`kiln.dialects.measure`)."""
-    def run() -> dict:
-        args = [measure.example(v.meta) for v in region.inputs]
-        return measure.medians({"compiled_ms": lambda: kernel(list(args)), "aten_ms": lambda: region.reference(*args)})
-    return measure.timed_once(folder, key, run)
+def _measured(folder: Path, key: str, region, kernel=None) -> dict:
+    """{"aten_ms": .., "compiled_ms": ..}: median times on inputs of the region's shapes, measured once per
+    machine and kept beside the kernel (`kiln.dialects.measure`). Without a kernel only the ATen ops
+    are timed (if not known yet); with one, both, interleaved (if the kernel's time is not known yet)."""
+    path = folder / f"{key}.timing.json"
+    timing = measure.read_json(path)
+    if not (isinstance(timing, dict) and isinstance(timing.get("aten_ms"), (int, float))):
+        timing = {}
+    if timing and (kernel is None or "compiled_ms" in timing):
+        return timing
+    args = [measure.example(v.meta) for v in region.inputs]
+    fns = {"aten_ms": lambda: region.reference(*args)}
+    if kernel is not None:
+        fns["compiled_ms"] = lambda: kernel(list(args))
+    timing = measure.medians(fns)
+    measure.write_atomic(folder, path.name, json.dumps(timing))
+    return timing
 
 
 def _load_source(folder: Path, key: str) -> str | None:

@@ -69,6 +69,10 @@ class Region:
     def ops(self) -> tuple[str, ...]:
         return tuple(n.op.name for n in self.nodes)
 
+    @property
+    def __name__(self) -> str:        # the generated step calls it by this name
+        return self.name
+
     def __call__(self, *args):
         if self.compiled is not None and self.failed is None:
             try:

@@ -33,11 +33,17 @@ def test_bf16_with_inductor_regions_matches_autocast(name, monkeypatch):
     assert any(n.op.name == "kiln.region" for n in step.graph.nodes)
 
 
-def _bf16_matches_autocast(name):
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_bf16_with_aten_only_matches_autocast(name):
+    step = _bf16_matches_autocast(name, dialects=["aten"])
+    assert all(n.impl.dialect.name == "aten" for n in step.graph.nodes)
+
+
+def _bf16_matches_autocast(name, dialects=None):
     torch.manual_seed(0)
     model, args, kwargs, loss_fn = zoo.MODELS[name]()
     ref = copy.deepcopy(model)
-    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=loss_fn, amp="bf16")
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=loss_fn, amp="bf16", dialects=dialects)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for _ in range(20):
         got = step(*args, **kwargs)

@@ -56,12 +56,15 @@ def test_adamw_parity(name):
 @pytest.mark.inductor
 @pytest.mark.parametrize("name", list(zoo.MODELS))
 def test_adamw_parity_with_inductor_regions(name, monkeypatch):
-    """The default dialect set, with every region Inductor compiles kept (faster than ATen here or not)."""
+    """The default dialect set, with every region Inductor compiles and every measured kernel (oneDNN
+    linear) kept, faster than ATen here or not."""
     monkeypatch.setenv("KILN_KEEP", "all")
     step = train_both(name, kiln.optim.AdamW(lr=1e-3, weight_decay=0.01),
                       lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01), steps=3, noise_tolerant=True)
     regions = [n.target for n in step.graph.nodes if isinstance(n.target, Region)]
     assert all(r.compiled is not None and r.failed is None for r in regions)
+    linears = [n for n in step.graph.nodes if n.op.name == "aten.linear"]
+    assert all(n.impl.label == "onednn:linear" for n in linears)
     if name in ("bert", "gpt2", "llama", "t5", "vit"):
         assert regions, f"{name}: no fused region"
 

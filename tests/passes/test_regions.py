@@ -4,6 +4,7 @@ and the fallbacks when Inductor cannot compile or a compiled kernel fails."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import pytest
@@ -288,17 +289,17 @@ def test_a_kernel_returning_other_strides_is_not_used(cache, caplog):
 
 def test_only_regions_faster_than_their_aten_ops_replace_them(cache, monkeypatch, caplog):
     monkeypatch.setenv("KILN_KEEP", "faster")
-    monkeypatch.setattr(inductor, "_timing", lambda folder, key, region, kernel: {"compiled_ms": 1.0, "aten_ms": 1.0})
+    monkeypatch.setattr(inductor, "_measured", lambda folder, key, region, kernel=None: {"compiled_ms": 1.0, "aten_ms": 1.0})
     g, tensors = _graph_with_layer_norm_chain()
     before = [n.op.name for n in g.nodes]
     with caplog.at_level(logging.INFO, logger="kiln"):
         assert with_regions(g) == 0
     assert [n.op.name for n in g.nodes] == before
     assert any("not faster than their ATen ops" in r.getMessage() for r in caplog.records)
-    monkeypatch.setattr(inductor, "_timing", lambda folder, key, region, kernel: {"compiled_ms": 0.01, "aten_ms": 0.03})
+    monkeypatch.setattr(inductor, "_measured", lambda folder, key, region, kernel=None: {"compiled_ms": 0.01, "aten_ms": 0.03})
     g, tensors = _graph_with_layer_norm_chain()
     assert with_regions(g) == 0                  # 3x faster, but 20 microseconds are not worth a compiler
-    monkeypatch.setattr(inductor, "_timing", lambda folder, key, region, kernel: {"compiled_ms": 0.5, "aten_ms": 1.0})
+    monkeypatch.setattr(inductor, "_measured", lambda folder, key, region, kernel=None: {"compiled_ms": 0.5, "aten_ms": 1.0})
     g, tensors = _graph_with_layer_norm_chain()
     assert with_regions(g) == 1
 
@@ -327,3 +328,14 @@ def test_kiln_dialects_environment_variable(monkeypatch):
             registry.from_env(bad, everything)
     monkeypatch.setenv("KILN_DIALECTS", "-inductor")
     assert "inductor" not in registry.enabled() and "aten" in registry.enabled()
+
+
+def test_regions_too_cheap_to_gain_are_not_compiled(cache, monkeypatch, caplog):
+    monkeypatch.setenv("KILN_KEEP", "faster")
+    monkeypatch.setattr(inductor.measure, "medians", lambda fns, runs=5: {name: 0.02 for name in fns})
+    monkeypatch.setattr(inductor, "_compile_source", lambda r: (_ for _ in ()).throw(AssertionError("compiled")))
+    g, _ = _graph_with_layer_norm_chain()
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        assert with_regions(g) == 0
+    (timing,) = [f for f in inductor.cache_dir().glob("*.timing.json")]
+    assert json.loads(timing.read_text()) == {"aten_ms": 0.02}
