@@ -54,7 +54,12 @@ def faster_than_aten(impl, node) -> bool:
     def run() -> dict:
         args, kwargs = tree_map_values(lambda v: example(v.meta), (node.args, node.kwargs))
         return medians({"new_ms": lambda: impl.kernel(*args, **kwargs), "aten_ms": lambda: node.target(*args, **kwargs)})
-    timing = timed_once(folder, key, run)
+    try:
+        timing = timed_once(folder, key, run)
+    except Exception as exc:     # a kernel that cannot even be measured is not used
+        log.warning("kiln: %s could not be measured on %s (%s: %s); using ATen", impl.label, node.op.name,
+                    type(exc).__name__, exc)
+        return False
     chosen = worth_it(timing["new_ms"], timing["aten_ms"])
     if not known:
         shapes = ", ".join(str(v.meta) for v in node.inputs if isinstance(v, Value) and v.meta is not None)
@@ -70,9 +75,14 @@ def cache_dir(kind: str) -> Path:
 
 
 def example(meta) -> torch.Tensor:
-    """A tensor with `meta`'s shape, strides, dtype and device: normal floats, ones otherwise."""
-    t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
-    return t.normal_() if meta.dtype.is_floating_point else t.fill_(1)
+    """A tensor with `meta`'s shape, strides (broadcast zeros included), dtype and device: normal floats,
+    ones otherwise."""
+    size = 1 + sum((n - 1) * st for n, st in zip(meta.shape, meta.stride) if n > 0)
+    if any(n == 0 for n in meta.shape):
+        size = 0
+    flat = torch.empty(size, dtype=meta.dtype, device=meta.device)
+    flat = flat.normal_() if meta.dtype.is_floating_point else flat.fill_(1)
+    return flat.as_strided(meta.shape, meta.stride)
 
 
 def medians(fns: dict[str, Callable[[], object]], runs: int = 5) -> dict[str, float]:

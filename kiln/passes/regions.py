@@ -218,7 +218,7 @@ def make_region(graph: Graph, nodes: list[Node], index: int) -> Region:
                if o in live or any(u.uid not in inside for u in users.get(o, ()))]
     key = structural_key(nodes, inputs, outputs)
     name = f"region{index}_" + "_".join(dict.fromkeys(
-        x.op.name.split(".")[1] for x in nodes if x.op.kind is not Kind.VIEW))[:48]
+        x.op.name.split(".")[1].strip("_") for x in nodes if x.op.kind is not Kind.VIEW))[:48]
     return Region(nodes, inputs, outputs, key, name, reference_function(nodes, inputs, outputs, name))
 
 

@@ -84,3 +84,11 @@ def test_kiln_keep_must_be_known(monkeypatch):
         measure.keep()
     monkeypatch.delenv("KILN_KEEP")
     assert measure.keep() == "faster"
+
+
+def test_example_inputs_keep_broadcast_strides():
+    from kiln.ir.graph import TensorMeta
+    meta = TensorMeta((2, 2, 2, 12, 8), torch.float32, (192, 8, 0, 16, 1), torch.device("cpu"))
+    t = measure.example(meta)
+    assert t.shape == meta.shape and t.stride() == meta.stride and torch.isfinite(t).all()
+    assert measure.example(TensorMeta((0, 3), torch.int64, (3, 1), torch.device("cpu"))).shape == (0, 3)
