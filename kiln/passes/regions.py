@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import linecache
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -40,6 +39,7 @@ from typing import Any, Callable
 from kiln.dialects import registry
 from kiln.ir.graph import Fused, Graph, Node, Value, tree_map_values
 from kiln.ir.printer import Symbols, call_line
+from kiln.runtime.codegen import define
 from kiln.ops.registry import Cast, Kind, OpDef
 
 log = logging.getLogger("kiln")
@@ -245,11 +245,7 @@ def reference_function(nodes: list[Node], inputs: list[Value], outputs: list[Val
     lines += ["    " + call_line(x, syms) for x in nodes]
     lines.append(f"    return ({''.join(v.name + ', ' for v in outputs)})")
     source = "\n".join(lines) + "\n"
-    filename = f"<kiln-{name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = dict(syms.globals)
-    exec(compile(source, filename, "exec"), namespace)
-    fn = namespace[name]
+    fn = define(source, name, dict(syms.globals), f"<kiln-{name}>")
     fn.source = source
     return fn
 

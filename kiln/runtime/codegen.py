@@ -56,13 +56,18 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
         lines.append(f"    return {graph.outputs[0].name}")
     source = "\n".join(lines) + "\n"
 
-    filename = f"<kiln-step-{next(_counter)}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show lines
     namespace = dict(syms.globals)
     if times is not None:
         namespace.update(_clock=time.perf_counter, _times=times)
+    return source, define(source, name, namespace, f"<kiln-step-{next(_counter)}>")
+
+
+def define(source: str, name: str, namespace: dict, filename: str) -> Callable:
+    """Execute generated `source` and return the function `name` it defines; the source is registered
+    with linecache under `filename`, so tracebacks show the generated lines."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), namespace)
-    return source, namespace[name]
+    return namespace[name]
 
 
 def input_roles(graph: Graph) -> list[tuple[Role, str]]:
