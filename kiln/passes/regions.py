@@ -93,18 +93,16 @@ class Region:
             raise RuntimeError(f"compiled kernel returned {len(outs)} outputs, expected {len(self.outputs)}")
         for t, v in zip(outs, self.outputs):
             m = v.meta
-            if tuple(t.shape) != m.shape or t.dtype != m.dtype or (t.numel() > 1 and _strides(t) != _strides_of(m)):
+            if tuple(t.shape) != m.shape or t.dtype != m.dtype or \
+                    (t.numel() > 1 and _strides(t.shape, t.stride()) != _strides(m.shape, m.stride)):
                 raise RuntimeError(f"compiled kernel returned {t.dtype}{list(t.shape)} strides {tuple(t.stride())} "
                                    f"for {v.name}, expected {m} strides {m.stride}")
         self.checked = True
 
 
-def _strides(t) -> tuple:
-    return tuple(s for s, n in zip(t.stride(), t.shape) if n > 1)
-
-
-def _strides_of(m) -> tuple:
-    return tuple(s for s, n in zip(m.stride, m.shape) if n > 1)
+def _strides(shape, stride) -> tuple:
+    """The strides that matter: those of dimensions longer than 1."""
+    return tuple(st for st, n in zip(stride, shape) if n > 1)
 
 
 def fuse_regions(graph: Graph, names: tuple[str, ...]) -> int:
@@ -115,7 +113,8 @@ def fuse_regions(graph: Graph, names: tuple[str, ...]) -> int:
     groups = group(graph, provider.accepts, provider.max_ops)
     if not groups:
         return 0
-    regions = [make_region(graph, nodes, i) for i, nodes in enumerate(groups)]
+    users, live = graph.users(), graph.live_outputs()
+    regions = [make_region(nodes, i, users, live) for i, nodes in enumerate(groups)]
     provider.compile_all(regions)
     kept = [r for r in regions if r.compiled is not None]     # the others keep their ops
     _replace(graph, kept, provider)
@@ -205,10 +204,10 @@ def group(graph: Graph, accepts: Callable[[Node], bool], max_ops: int = 64) -> l
     return [nodes for nodes in members.values() if sum(x.op.kind is not Kind.VIEW for x in nodes) >= 2]
 
 
-def make_region(graph: Graph, nodes: list[Node], index: int) -> Region:
+def make_region(nodes: list[Node], index: int, users: dict, live: set) -> Region:
+    """The region of `nodes`: its inputs, its outputs (values read after it or produced by the step),
+    its structural key and its reference function. `users`/`live`: `graph.users()`/`live_outputs()`."""
     inside = {x.uid for x in nodes}
-    users = graph.users()
-    live = graph.live_outputs()
     inputs: list[Value] = []
     for x in nodes:
         for v in x.inputs:

@@ -170,7 +170,7 @@ def test_structural_key_equal_for_repeated_layers_and_different_for_other_shapes
     groups = group(g, inductor.accepts)
     keys = []
     for nodes in groups:
-        reg = regions_pass.make_region(g, nodes, 0)
+        reg = regions_pass.make_region(nodes, 0, g.users(), g.live_outputs())
         keys.append(reg.key)
         assert reg.key == structural_key(reg.nodes, reg.inputs, reg.outputs)
     assert len(keys) == 3 and keys[0] == keys[1] != keys[2]
