@@ -39,6 +39,7 @@ class Context:
     amp: AmpPolicy | None = None
     verify: bool = False
     timings: list[tuple[str, float, int]] = field(default_factory=list)   # (pass, seconds, nodes after)
+    regions: list = field(default_factory=list)  # every fused region considered (kiln.passes.regions.Region)
 
 
 def add_backward_and_update(ctx: Context) -> int:
@@ -100,7 +101,7 @@ PIPELINE: list[Pass] = [
     ("cse", lambda c: common_subexpression_elimination(c.graph)),
     ("dce", lambda c: dead_code_elimination(c.graph)),
     ("fuse", lambda c: fuse(c.graph, c.dialects, "training")),    # e.g. all AdamW updates -> one kernel
-    ("regions", lambda c: fuse_regions(c.graph, c.dialects)),   # elementwise/reduction regions -> Inductor
+    ("regions", lambda c: c.regions.extend(fuse_regions(c.graph, c.dialects))),   # elementwise/reduction regions -> Inductor
     ("dispatch", lambda c: dispatch(c.graph, c.dialects)),       # each node -> a dialect's kernel
 ]
 

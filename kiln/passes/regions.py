@@ -105,20 +105,42 @@ def _strides(shape, stride) -> tuple:
     return tuple(st for st, n in zip(stride, shape) if n > 1)
 
 
-def fuse_regions(graph: Graph, names: tuple[str, ...]) -> int:
-    """Group, build and compile regions with the first enabled region dialect. Returns how many."""
+def fuse_regions(graph: Graph, names: tuple[str, ...]) -> list[Region]:
+    """Group, build and compile regions with the first enabled region dialect. Returns every region
+    considered; those with a compiled kernel replace their ops (`explain` reports the others)."""
     provider = registry.region_fusion(names)
     if provider is None:
-        return 0
+        return []
     groups = group(graph, provider.accepts, provider.max_ops)
     if not groups:
-        return 0
+        return []
     users, live = graph.users(), graph.live_outputs()
     regions = [make_region(nodes, i, users, live) for i, nodes in enumerate(groups)]
     provider.compile_all(regions)
-    kept = [r for r in regions if r.compiled is not None]     # the others keep their ops
-    _replace(graph, kept, provider)
-    return len(kept)
+    _replace(graph, [r for r in regions if r.compiled is not None], provider)   # the others keep their ops
+    return regions
+
+
+def summary(regions: list[Region]) -> str:
+    """One line for `explain`: how many regions were found, and what became of them."""
+    distinct = {r.key: r for r in regions}.values()
+
+    def fate(r: Region) -> str:
+        if r.compiled is not None:
+            return "kept"
+        if r.failed is not None:
+            return "failed"
+        if r.timing is not None and "compiled_ms" not in r.timing:
+            return "too cheap to compile"
+        return "not faster than ATen"
+    counts: dict[str, int] = {}
+    for r in distinct:
+        counts[fate(r)] = counts.get(fate(r), 0) + 1
+    kept = [r for r in regions if r.compiled is not None]
+    saved = sum(r.timing["aten_ms"] - r.timing["compiled_ms"] for r in kept if r.timing and "compiled_ms" in r.timing)
+    return (f"regions: {len(regions)} found ({len(distinct)} distinct): " +
+            ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) +
+            (f"; kept regions measured {saved:.2f} ms faster than their ATen ops per step" if kept else ""))
 
 
 def group(graph: Graph, accepts: Callable[[Node], bool], max_ops: int = 64) -> list[list[Node]]:

@@ -93,6 +93,9 @@ def explain(step, file=None, profile: bool = False) -> str:
         fused = collections.Counter(r.fusion for r in records.values())
         lines.append("fused: " + ", ".join(f"{k} x{v}" for k, v in sorted(fused.items())) +
                      f" ({sum(len(r.ops) for r in records.values())} ops replaced)")
+    if prog.regions:
+        from kiln.passes.regions import summary
+        lines.append(summary(prog.regions))
     lines.append(f"compiled in {prog.compile_seconds:.2f}s; passes: " +
                  ", ".join(f"{name} {sec * 1000:.0f}ms" for name, sec, _ in prog.timings))
     if fallbacks:

@@ -32,6 +32,7 @@ class Program:
     fetch: list[Callable[[list, float], Any]]     # one per graph input: (user leaves, lr) -> value
     compile_seconds: float
     timings: list
+    regions: list                 # every fused region considered, kept or not (kiln.passes.regions.Region)
 
 
 def _leaf_key(x: Any):
@@ -141,7 +142,7 @@ class CompiledStep:
         fallbacks = sum(n.op.name == "kiln.fallback_forward" for n in ctx.graph.nodes)
         log.info("kiln: compiled %s in %.2fs: %d nodes%s", type(self.model).__name__, seconds, len(ctx.graph.nodes),
                  f", {fallbacks} fallback(s)" if fallbacks else "")
-        return Program(ctx.graph, source, fn, fetch, seconds, ctx.timings)
+        return Program(ctx.graph, source, fn, fetch, seconds, ctx.timings, ctx.regions)
 
     def _fetcher(self, v, constants, module_tensors) -> Callable[[list, float], Any]:
         if v.role in (Role.PARAM, Role.FROZEN, Role.BUFFER):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -67,6 +68,8 @@ def test_adamw_parity_with_inductor_regions(name, monkeypatch):
     assert all(n.impl.label == "onednn:linear" for n in linears)
     if name in ("bert", "gpt2", "llama", "t5", "vit"):
         assert regions, f"{name}: no fused region"
+        text = kiln.explain(step, file=io.StringIO())
+        assert f"regions: {len(regions)} found" in text and "inductor:region" in text
 
 
 @pytest.mark.parametrize("name", ["mlp", "llama"])
