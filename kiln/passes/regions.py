@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -157,6 +158,7 @@ def group(graph: Graph, accepts: Callable[[Node], bool], max_ops: int = 64) -> l
     at: dict[int, int] = {}                   # region id -> index of its place
     region_of: dict[int, int] = {}            # node uid -> region id
     readers: dict[int, list[int]] = {}        # value uid -> regions reading it
+    new_id = itertools.count()                # ids are never reused, even after merges
 
     def eff(x: Node | None) -> int:
         if x is None:
@@ -206,8 +208,8 @@ def group(graph: Graph, accepts: Callable[[Node], bool], max_ops: int = 64) -> l
         if chosen is None:
             if n.op.kind is Kind.VIEW:     # a view alone is free: it joins a region or stays as it is
                 continue
-            chosen = ([len(at)], i)
-            members[len(at)] = []
+            chosen = ([next(new_id)], i)
+            members[chosen[0][0]] = []
         regions, place = chosen
         target = regions[0]
         for r in regions[1:]:

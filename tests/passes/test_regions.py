@@ -115,6 +115,16 @@ def test_a_reduction_needed_by_two_later_regions_is_computed_once(cache):
     torch.testing.assert_close(_run(g, *tensors)[0], want[0])
 
 
+def test_a_region_started_after_a_merge_does_not_replace_another():
+    g, b, (x, y, z, w) = graph_with_inputs(*(torch.randn(8, 16) for _ in range(4)))
+    chain = lambda v: b(aten.neg.default, b(aten.exp.default, v))  # noqa: E731
+    a, c, e = chain(x), chain(y), chain(z)
+    d = b(aten.add.Tensor, a, c)                    # merges x's and y's regions
+    f = chain(w)                                    # a new region after the merge
+    g.outputs = [d, e, f]
+    assert sorted(_groups(g)) == sorted([["exp", "neg", "exp", "neg", "add"], ["exp", "neg"], ["exp", "neg"]])
+
+
 def test_siblings_reading_one_tensor_share_a_region():
     g, b, (x,) = graph_with_inputs(torch.randn(8, 16))
     s1 = b(aten.sum.dim_IntList, x, [1])
