@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Callable | None = None,
             dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
-            max_programs: int = 8, verify: bool = False) -> CompiledStep:
+            max_programs: int = 8, verify: bool = False, tuning: str | None = None) -> CompiledStep:
     """Compile `model`'s training step.
 
     Args:
@@ -38,12 +38,18 @@ def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Call
             {"aten._softmax": "lower"} or {"model.layers.0.mlp": "fp32"}; the most specific path wins.
         max_programs: how many input signatures (shapes/dtypes) may be compiled before step() refuses.
         verify: run the graph verifier after every pass (slower compiles; for debugging).
+        tuning: when kernels that are only sometimes faster than ATen's (Inductor regions, oneDNN) are
+            compiled and measured on CPU. "online" (default, or $KILN_TUNING): the first step runs at
+            once on ATen's kernels while a background process compiles; each candidate is then timed
+            against ATen on the step's own calls and kept only if faster. "ahead": all of it before the
+            first step, so every step runs the same kernels (reproducible numerics from step one).
+            Either way the results are cached per machine: later runs decide at compile time.
 
     Returns a `CompiledStep`: `loss = step(...)` trains one step; `step.source()`, `step.explain()`,
     `step.state_dict()` / `step.load_state_dict()`.
     """
     return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
-                        verify=verify, amp=amp, amp_overrides=amp_overrides)
+                        verify=verify, amp=amp, amp_overrides=amp_overrides, tuning=tuning)
 
 
 def explain(step: CompiledStep, file=None, profile: bool = False) -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch._ops import OpOverload
 
-from kiln.dialects import measure
+from kiln.dialects import background, measure
 from kiln.dialects.registry import dialect, region_provider
 from kiln.ops.registry import Kind
 
@@ -69,21 +69,49 @@ def accepts(n) -> bool:
 @functools.cache
 def _lowerable(t: OpOverload) -> bool:
     """Whether Inductor lowers `t` (or decomposes it into ops it lowers), never as an opaque fallback.
-    Answers are kept in the cache folder, so a run whose regions are all cached never imports Inductor
-    (about 2 s)."""
+    Read from the table shipped for this torch version (`OP_TABLE`), else from the cache folder; only an
+    op in neither imports Inductor (about 2 s) to ask it."""
     known = _known_ops()
     name = str(t)
     if name not in known:
-        lowerings, fallbacks, decomps = _inductor_tables()
-        known[name] = (t in lowerings and t not in fallbacks) or t in decomps
+        known[name] = _ask_inductor(t)
         measure.write_atomic(cache_dir(), "lowerable.json", json.dumps(known, sort_keys=True))
     return known[name]
 
 
+def _ask_inductor(t: OpOverload) -> bool:
+    lowerings, fallbacks, decomps = _inductor_tables()
+    return (t in lowerings and t not in fallbacks) or t in decomps
+
+
+OP_TABLE = Path(__file__).with_name("inductor_ops.json")
+
+
 @functools.cache
 def _known_ops() -> dict[str, bool]:
-    known = measure.read_json(cache_dir() / "lowerable.json")
-    return known if isinstance(known, dict) else {}
+    known = {}
+    table = measure.read_json(OP_TABLE)
+    if isinstance(table, dict) and table.get("torch") == torch.__version__ and isinstance(table.get("ops"), dict):
+        known.update(table["ops"])
+    cached = measure.read_json(cache_dir() / "lowerable.json")
+    if isinstance(cached, dict):
+        known.update(cached)
+    return known
+
+
+def op_table() -> dict:
+    """The table of `_lowerable` answers for every ATen op in Kiln's registry of a kind regions take, for
+    the installed torch (`python -m kiln.dialects.inductor --write-op-table` writes it to OP_TABLE)."""
+    from kiln.ops.registry import all_ops
+    ops = sorted({str(t) for op in all_ops() if op.kind in _KINDS and not op.side_effects
+                  for t in op.targets if isinstance(t, OpOverload) and t.namespace == "aten"})
+    return {"torch": torch.__version__,
+            "ops": {name: _ask_inductor(_overload(name)) for name in ops}}
+
+
+def _overload(name: str) -> OpOverload:
+    _, op, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, op), overload)
 
 
 def cache_dir() -> Path:
@@ -103,8 +131,11 @@ def compile_all(regions) -> None:
         by_key.setdefault(r.key, []).append(r)
     folder = cache_dir()
     everything = measure.keep() == "all"
-    plan, cheap, slower = [], [], []
+    plan, cheap, slower, pending = [], [], [], {}
     for key, group in by_key.items():
+        if measure.online(group[0].outputs[0].meta.device.type) and not (folder / f"{key}.timing.json").exists():
+            pending[key] = group        # compiled in the background, measured during training
+            continue
         try:
             timing = _measured(folder, key, group[0])
         except Exception as exc:     # a region whose ops cannot even be timed stays as it is
@@ -152,6 +183,119 @@ def compile_all(regions) -> None:
     if slower:
         log.info("kiln: inductor: %d of %d distinct regions were not faster than their ATen ops here and stay "
                  "unfused (KILN_KEEP=all keeps them): %s", len(slower), len(by_key), ", ".join(slower))
+    if pending:
+        _go_online(folder, pending)
+
+
+def _go_online(folder: Path, pending: dict[str, list]) -> None:
+    """Regions not measured here yet, tuning online: they run their ATen ops from the first step (timed);
+    a background worker compiles the kernels not in the cache; once it is done, each kernel is measured
+    against its ATen ops on the step's own calls and kept only if faster (`_Online`)."""
+    jobs = {key: (to_fx(group[0]), [_meta(v.meta) for v in group[0].inputs])
+            for key, group in pending.items() if not (folder / f"{key}.py").exists()}
+    worker = None
+    if jobs:
+        try:
+            worker = background.Worker(folder, jobs)
+        except Exception as exc:        # no background process: these regions keep their ATen ops
+            log.warning("kiln: inductor: cannot prepare the background compilation (%s: %s); %d regions run "
+                        "their ATen ops", type(exc).__name__, exc, len(jobs))
+            pending = {k: g for k, g in pending.items() if k not in jobs}
+        else:
+            log.info("kiln: inductor: %d distinct fused regions will be compiled in the background after the "
+                     "first step; they run their ATen ops until measured faster", len(jobs))
+    board = _Board(worker, len(pending))
+    for key, group in pending.items():
+        online = _Online(key, group, folder, worker, board)
+        for r in group:
+            r.online = online
+
+
+class _Board:
+    """What the online regions of one compilation came to, logged once all have settled."""
+
+    def __init__(self, worker, count: int):
+        self.worker, self.left, self.kept, self.saved, self.other = worker, count, 0, 0.0, {}
+
+    def settle(self, outcome: str, saved_ms: float = 0.0) -> None:
+        self.left -= 1
+        if outcome == "kept":
+            self.kept += 1
+            self.saved += saved_ms
+        else:
+            self.other[outcome] = self.other.get(outcome, 0) + 1
+        if self.left == 0:
+            rest = ", ".join(f"{n} {k}" for k, n in sorted(self.other.items()))
+            log.info("kiln: inductor: fused regions measured during training: %d kept (%.2f ms faster per call "
+                     "together)%s", self.kept, self.saved, f", {rest}" if rest else "")
+            if self.worker is not None:
+                self.worker.close()
+
+
+class _Online:
+    """One distinct region (all regions with its key) measured during training.
+
+    compiling: the regions run their ATen ops;
+    measuring: once the worker is done, the kernel is loaded and a `measure.Trial` alternates it with
+        the ATen ops; the result is stored like an ahead-of-time measurement (next runs decide at
+        compile time) and the faster one runs from then on."""
+
+    def __init__(self, key: str, regions: list, folder: Path, worker, board: _Board):
+        self.key, self.regions, self.folder, self.worker, self.board = key, regions, folder, worker, board
+        self.state = "compiling in the background" if worker is not None else "measuring"
+        self.kernel = None
+        self.trial = measure.Trial(("aten_ms", "compiled_ms"), self._measured)
+
+    def __call__(self, region, args):
+        if self.kernel is None and (self.worker.finished() if self.worker is not None else background.stepped()):
+            self._load(region)
+        if region.online is not self:        # settled just now: kept without measuring (KILN_KEEP=all), or failed
+            return region(*args)
+        if self.kernel is None:               # still compiling: the ATen ops
+            return region.reference(*args)
+        out = self.trial.run({"aten_ms": lambda: region.reference(*args), "compiled_ms": lambda: region.run_kernel(args)})
+        if region.failed is not None:         # the kernel broke (logged by the region): nothing to measure
+            self._settle("failed", None, region.failed)
+        return out
+
+    def _load(self, region) -> None:
+        source = _load_source(self.folder, self.key)
+        try:
+            if source is None:
+                raise RuntimeError(self.worker.errors() if self.worker is not None else "no kernel")
+            self.kernel = _load_kernel(source)
+        except Exception as exc:
+            lines = [line for line in str(exc).splitlines() if self.key in line] or str(exc).splitlines()[-1:]
+            log.warning("kiln: inductor could not compile fused region %s in the background (%s); its %d ops run "
+                        "unfused", region.name, lines[0] if lines else type(exc).__name__, len(region.nodes))
+            self._settle("failed", None, "compile")
+            return
+        for r in self.regions:
+            r.compiled = self.kernel
+        self.state = "measuring"
+        if measure.keep() == "all":
+            self._settle("kept", None)
+
+    def _measured(self, ms: dict) -> None:
+        self._settle("kept" if _worth_it(ms) else "not faster than ATen", ms)
+
+    def _settle(self, outcome: str, timing: dict | None, failed: str | None = None) -> None:
+        if self.regions[0].online is not self:
+            return
+        if timing is not None:
+            measure.write_atomic(self.folder, f"{self.key}.timing.json", json.dumps(timing))
+        keep = outcome == "kept"
+        for r in self.regions:
+            r.online = None
+            r.timing = timing or r.timing
+            r.failed = r.failed or failed
+            if not keep:
+                r.compiled = None
+        if timing is not None and "compiled_ms" in timing:
+            log.info("kiln: inductor: %s measured during training: %.3f ms, ATen %.3f ms: %s", self.regions[0].name,
+                     timing["compiled_ms"], timing["aten_ms"], "kept" if keep else "ATen kept")
+        saved = timing["aten_ms"] - timing["compiled_ms"] if keep and timing and "compiled_ms" in timing else 0.0
+        self.board.settle(outcome, saved * len(self.regions))
 
 
 def _worth_it(timing: dict) -> bool:
@@ -218,12 +362,21 @@ def _returns_sequence(t: OpOverload) -> bool:
 
 
 def _compile_source(region) -> str:
+    return compile_graph(to_fx(region), [_meta(v.meta) for v in region.inputs])
+
+
+def _meta(m) -> tuple:
+    return (tuple(m.shape), tuple(m.stride), m.dtype, m.device)
+
+
+def compile_graph(fx: torch.fx.GraphModule, metas: list[tuple]) -> str:
+    """Inductor's generated wrapper source for `fx` (ATen ops) on inputs of `metas` (shape, stride, dtype,
+    device): decomposed with Inductor's table on fake tensors, then compiled."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
-    example = [torch.empty_strided(v.meta.shape, v.meta.stride, dtype=v.meta.dtype, device=v.meta.device)
-               for v in region.inputs]
-    gm = make_fx(to_fx(region), decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
+    example = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in metas]
+    gm = make_fx(fx, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
     compiled = compile_fx_inner(gm, example)
     source = getattr(compiled, "source_code", None)
     if not source:
@@ -238,3 +391,12 @@ def _load_kernel(source: str):
 
 region_provider(INDUCTOR, accepts, compile_all, max_ops=64,
                 doc="regions of elementwise/broadcast/reduction ops between matmuls, one Inductor kernel each")
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["--write-op-table"]:
+        sys.exit("usage: python -m kiln.dialects.inductor --write-op-table  (regenerates "
+                 f"{OP_TABLE.name} for the installed torch)")
+    measure.write_atomic(OP_TABLE.parent, OP_TABLE.name, json.dumps(op_table(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {OP_TABLE}")

@@ -6,9 +6,23 @@ node's shapes, strides and dtypes, and the medians are kept in a small JSON file
 `cache_dir()`, so each distinct case is timed once per machine and torch version. Files are written
 atomically (temp file + rename): a reader never sees half a file, and a cache that cannot be written
 only costs a later run the measurement again.
+
+Tuning (`tuning()`): *when* an unknown case is measured.
+- "online" (the default on CPU): nothing is timed before the first step. The step starts on ATen's
+  kernels; a `Trial` then alternates the two implementations on the calls the step really makes,
+  times each (5 each, after one unmeasured call each), settles on the faster, and stores the result
+  like an ahead-of-time measurement, so the next run decides at compile time. Kernels that must be
+  compiled first (Inductor regions) are compiled by a background process meanwhile.
+- "ahead" ($KILN_TUNING=ahead or `kiln.compile(..., tuning="ahead")`): everything is compiled and timed
+  on example tensors before the first step, so every step, the first included, runs the chosen
+  kernels: the numerics of a run do not depend on when a measurement finished. Always used on GPUs,
+  where a host clock around an asynchronous kernel measures nothing.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import hashlib
 import json
 import logging
@@ -17,9 +31,12 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
+
+from kiln.dialects import background
+from kiln.errors import KilnError
 
 log = logging.getLogger("kiln")
 
@@ -41,31 +58,171 @@ def worth_it(new_ms: float, aten_ms: float) -> bool:
     return keep() == "all" or (new_ms <= KEEP_IF_FASTER * aten_ms and aten_ms - new_ms >= MIN_SAVING_MS)
 
 
-def faster_than_aten(impl, node) -> bool:
+TUNINGS = ("online", "ahead")
+_tuning: contextvars.ContextVar[str | None] = contextvars.ContextVar("kiln_tuning", default=None)
+
+
+def tuning() -> str:
+    """"online" or "ahead" (see the module docstring): `use_tuning(...)` if set, else $KILN_TUNING, else online."""
+    value = _tuning.get() or os.environ.get("KILN_TUNING") or "online"
+    if value not in TUNINGS:
+        raise KilnError(f"KILN_TUNING must be one of {', '.join(TUNINGS)}, got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def use_tuning(value: str | None) -> Iterator[None]:
+    """Measure the way `value` says while compiling (None: the default)."""
+    if value is not None and value not in TUNINGS:
+        raise KilnError(f"tuning must be one of {', '.join(TUNINGS)}, got {value!r}")
+    token = _tuning.set(value)
+    try:
+        yield
+    finally:
+        _tuning.reset(token)
+
+
+def online(device_type: str) -> bool:
+    """Whether a case on `device_type` is measured during training (only on CPU, see the docstring)."""
+    return device_type == "cpu" and tuning() == "online"
+
+
+class Trial:
+    """An A/B measurement on the real calls of a training step, shared by every call with one key.
+
+    `arm()` says which implementation the next call runs (in turn, the baseline first; each arm's
+    first call is not measured: it pays one-off costs; one arm alone just times it); `record(arm, ms)` adds a sample. After
+    `samples` samples per arm, `on_done(medians)` is called once and `settled` is set: the caller runs
+    the winner from then on. `clock` is replaceable for tests."""
+
+    def __init__(self, arms: tuple[str, ...], on_done: Callable[[dict[str, float]], None], samples: int = 5,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.arms, self.on_done, self.samples, self.clock = arms, on_done, samples, clock
+        self.times: dict[str, list[float]] = {a: [] for a in arms}
+        self.calls = 0
+        self.settled = False
+
+    def arm(self) -> str:
+        return self.arms[self.calls % len(self.arms)]
+
+    def record(self, arm: str, ms: float) -> None:
+        self.calls += 1
+        if self.calls > len(self.arms):     # the first call of each arm is a warm-up
+            self.times[arm].append(ms)
+        if not self.settled and all(len(v) >= self.samples for v in self.times.values()):
+            self.settled = True
+            self.on_done({a: statistics.median(v) for a, v in self.times.items()})
+
+    def run(self, fns: dict[str, Callable[[], object]]) -> object:
+        """Run the arm whose turn it is and time it (the first arm, untimed, while a background worker
+        compiles: its load on the cores would be measured too)."""
+        if background.busy():
+            return fns[self.arms[0]]()
+        arm = self.arm()
+        t = self.clock()
+        out = fns[arm]()
+        self.record(arm, (self.clock() - t) * 1e3)
+        return out
+
+
+def choice(impl, node):
+    """The implementation to use for `node` among a measured kernel `impl` and the op's ATen kernel:
+    `impl` if it is known (or, tuning ahead, measured now) to be faster here, None if ATen is, or,
+    tuning online with nothing known yet, a `TrialImpl` that measures both during training."""
+    key = _key(impl, node)
+    folder = cache_dir("kernels")
+    timing = _cached(folder / f"{key}.timing.json")
+    if timing is None and online(_device(node)):
+        return _trials.get(key) or _trials.setdefault(key, TrialImpl.of(impl, node, key, folder))
+    return impl if faster_than_aten(impl, node, key, timing) else None
+
+
+def faster_than_aten(impl, node, key: str | None = None, timing: dict | None = None) -> bool:
     """Whether `impl`'s kernel beats the op's ATen kernel on this node's shapes, strides and dtypes
     (measured once per machine; the decision is logged)."""
-    from kiln.ir.graph import Value, tree_map_values
-    sig = tree_map_values(lambda v: (v.meta.shape, str(v.meta.dtype), v.meta.stride) if v.meta else None,
-                          (node.args, node.kwargs))
-    key = hashlib.sha256(repr((impl.label, str(node.target), sig)).encode()).hexdigest()[:24]
+    from kiln.ir.graph import tree_map_values
+    key = key or _key(impl, node)
     folder = cache_dir("kernels")
-    known = (folder / f"{key}.timing.json").exists()
+    known = timing is not None or (folder / f"{key}.timing.json").exists()
 
     def run() -> dict:
         args, kwargs = tree_map_values(lambda v: example(v.meta), (node.args, node.kwargs))
         return medians({"new_ms": lambda: impl.kernel(*args, **kwargs), "aten_ms": lambda: node.target(*args, **kwargs)})
     try:
-        timing = timed_once(folder, key, run)
+        timing = timing or timed_once(folder, key, run)
     except Exception as exc:     # a kernel that cannot even be measured is not used
         log.warning("kiln: %s could not be measured on %s (%s: %s); using ATen", impl.label, node.op.name,
                     type(exc).__name__, exc)
         return False
     chosen = worth_it(timing["new_ms"], timing["aten_ms"])
     if not known:
-        shapes = ", ".join(str(v.meta) for v in node.inputs if isinstance(v, Value) and v.meta is not None)
-        log.info("kiln: %s %s(%s): %.2f ms, ATen %.2f ms: %s", impl.label, node.op.name, shapes, timing["new_ms"],
-                 timing["aten_ms"], "used" if chosen else "ATen kept")
+        _log_decision(impl, node, timing, chosen, "")
     return chosen
+
+
+def _log_decision(impl, node, timing: dict, chosen: bool, how: str) -> None:
+    from kiln.ir.graph import Value
+    shapes = ", ".join(str(v.meta) for v in node.inputs if isinstance(v, Value) and v.meta is not None)
+    log.info("kiln: %s %s(%s): %.2f ms, ATen %.2f ms%s: %s", impl.label, node.op.name, shapes, timing["new_ms"],
+             timing["aten_ms"], how, "used" if chosen else "ATen kept")
+
+
+def _key(impl, node) -> str:
+    from kiln.ir.graph import tree_map_values
+    sig = tree_map_values(lambda v: (v.meta.shape, str(v.meta.dtype), v.meta.stride) if v.meta else None,
+                          (node.args, node.kwargs))
+    return hashlib.sha256(repr((impl.label, str(node.target), sig)).encode()).hexdigest()[:24]
+
+
+def _device(node) -> str:
+    types = {v.meta.device.type for v in node.outputs if v.meta is not None}
+    return types.pop() if len(types) == 1 else "cpu"
+
+
+def _cached(path: Path) -> dict | None:
+    got = read_json(path)
+    return got if isinstance(got, dict) and got and all(isinstance(v, (int, float)) for v in got.values()) else None
+
+
+_trials: dict[str, object] = {}       # key -> the registry.Impl of a live online measurement, shared by the nodes with that key
+
+
+@dataclasses.dataclass(eq=False)
+class TrialImpl:
+    """A measured kernel under online measurement: the node's kernel alternates between the dialect's
+    and ATen's until the trial settles, then runs the faster one (`explain` shows which)."""
+
+    base: object                        # the dialect's registry.Impl
+    trial: Trial | None = None
+    chosen: bool | None = None          # None while measuring
+
+    @classmethod
+    def of(cls, impl, node, key: str, folder: Path):
+        from kiln.dialects.registry import Impl
+        me = cls(impl)
+
+        def done(ms: dict[str, float]) -> None:
+            timing = {"new_ms": ms["new"], "aten_ms": ms["aten"]}
+            write_atomic(folder, f"{key}.timing.json", json.dumps(timing))
+            me.chosen = worth_it(timing["new_ms"], timing["aten_ms"])
+            _log_decision(impl, node, timing, me.chosen, ", measured during training")
+            _trials.pop(key, None)
+        me.trial = Trial(("aten", "new"), done)
+        new, aten = impl.kernel, node.target
+
+        def kernel(*args, **kwargs):
+            if me.chosen is not None:
+                return (new if me.chosen else aten)(*args, **kwargs)
+            return me.trial.run({"aten": lambda: aten(*args, **kwargs), "new": lambda: new(*args, **kwargs)})
+        kernel.__name__ = kernel.__qualname__ = getattr(new, "__name__", "kernel")
+        return Impl(impl.dialect, impl.target, kernel=kernel, checker=impl.checker, priority=impl.priority,
+                    name=impl.name, fallback=impl.fallback, trial=me)
+
+    @property
+    def state(self) -> str:
+        if self.chosen is None:
+            return "measuring"
+        return "measured faster" if self.chosen else "slower here: ATen runs it"
 
 
 def cache_dir(kind: str) -> Path:

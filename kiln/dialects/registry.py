@@ -46,6 +46,7 @@ class Impl:
     name: str = ""
     fallback: bool = True         # on a run-time failure, run the op's ATen kernel instead (logged)
     measured: bool = False        # used only where measured faster than the op's ATen kernel here
+    trial: Any = None             # measure.TrialImpl while (and after) it is measured during training
 
     @functools.cached_property
     def runnable(self) -> Callable | None:
@@ -64,16 +65,14 @@ class Impl:
 
     @property
     def label(self) -> str:
-        return f"{self.dialect.name}:{self.name}" if self.name else self.dialect.name
+        label = f"{self.dialect.name}:{self.name}" if self.name else self.dialect.name
+        if self.trial is not None and self.trial.chosen is not True:    # measured online: not decided, or lost
+            return f"{label} (measuring)" if self.trial.chosen is None else "aten"
+        return label
 
     def accepts(self, node) -> bool:
         devices = {v.meta.device.type for v in node.outputs if v.meta is not None} or {"cpu"}
-        if not (devices <= set(self.dialect.devices) and bool(self.checker(node))):
-            return False
-        if self.measured:
-            from kiln.dialects.measure import faster_than_aten
-            return faster_than_aten(self, node)
-        return True
+        return devices <= set(self.dialect.devices) and bool(self.checker(node))
 
 
 @dataclass
@@ -282,6 +281,11 @@ def select(node, names: tuple[str, ...], form: str) -> Impl | None:
     candidates.sort(key=lambda i: (rank[i.dialect.name], -i.priority))
     for impl in candidates:
         if impl.accepts(node):
+            if impl.measured:       # only where faster than ATen here: known, measured now, or measured online
+                from kiln.dialects.measure import choice
+                impl = choice(impl, node)
+                if impl is None:
+                    continue
             return impl
     return None
 

@@ -22,7 +22,7 @@ through a matmul. No op is ever duplicated: a reduction whose result feeds two l
 output of its own region, computed once. Ops with side effects and random ops are never in a region.
 Regions with fewer than two ops that compute (views excluded) are left unfused.
 
-Each region the dialect compiles (and finds worth it) becomes one node whose target is a `Region`: its inputs, outputs, a structural key (equal
+Each region the dialect compiles and finds worth it (or is still measuring, see `kiln.dialects.measure`) becomes one node whose target is a `Region`: its inputs, outputs, a structural key (equal
 for regions with the same ops, constants, shapes, strides and dtypes, so repeated transformer layers
 are compiled once), and its reference implementation, the region's ATen ops as generated Python. The
 dialect's compiled kernel runs in its place; a region that cannot be compiled keeps its ops, and a
@@ -65,6 +65,7 @@ class Region:
     checked: bool = False
     failed: str | None = None         # why the compiled kernel is not used
     timing: dict | None = None        # the dialect's measurement: {"compiled_ms": .., "aten_ms": ..}
+    online: Any = None                # while measured during training: the dialect's shared trial of its key
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -75,16 +76,23 @@ class Region:
         return self.name
 
     def __call__(self, *args):
+        if self.online is not None:
+            return self.online(self, args)
         if self.compiled is not None and self.failed is None:
-            try:
-                outs = self.compiled(list(args))
-                if not self.checked:
-                    self._check(outs)
-                return outs
-            except Exception as exc:     # a broken kernel costs speed, never the step
-                self.failed = f"{type(exc).__name__}: {exc}"
-                log.warning("kiln: fused region %s failed at run time (%s); running its %d ops unfused from now on",
-                            self.name, self.failed, len(self.nodes))
+            return self.run_kernel(args)
+        return self.reference(*args)
+
+    def run_kernel(self, args):
+        """The compiled kernel's outputs; on any failure, the reference's (and the reference from now on)."""
+        try:
+            outs = self.compiled(list(args))
+            if not self.checked:
+                self._check(outs)
+            return outs
+        except Exception as exc:     # a broken kernel costs speed, never the step
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("kiln: fused region %s failed at run time (%s); running its %d ops unfused from now on",
+                        self.name, self.failed, len(self.nodes))
         return self.reference(*args)
 
     def _check(self, outs) -> None:
@@ -118,7 +126,8 @@ def fuse_regions(graph: Graph, names: tuple[str, ...]) -> list[Region]:
     users, live = graph.users(), graph.live_outputs()
     regions = [make_region(nodes, i, users, live) for i, nodes in enumerate(groups)]
     provider.compile_all(regions)
-    _replace(graph, [r for r in regions if r.compiled is not None], provider)   # the others keep their ops
+    # kept regions, and those still to be measured during training; the others keep their ops
+    _replace(graph, [r for r in regions if r.compiled is not None or r.online is not None], provider)
     return regions
 
 
@@ -127,6 +136,8 @@ def summary(regions: list[Region]) -> str:
     distinct = {r.key: r for r in regions}.values()
 
     def fate(r: Region) -> str:
+        if r.online is not None:
+            return r.online.state
         if r.compiled is not None:
             return "kept"
         if r.failed is not None:
@@ -137,7 +148,7 @@ def summary(regions: list[Region]) -> str:
     counts: dict[str, int] = {}
     for r in distinct:
         counts[fate(r)] = counts.get(fate(r), 0) + 1
-    kept = [r for r in regions if r.compiled is not None]
+    kept = [r for r in regions if r.compiled is not None and r.online is None]
     saved = sum(r.timing["aten_ms"] - r.timing["compiled_ms"] for r in kept if r.timing and "compiled_ms" in r.timing)
     return (f"regions: {len(regions)} found ({len(distinct)} distinct): " +
             ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) +

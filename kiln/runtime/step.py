@@ -11,6 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from kiln.capture import capture
+from kiln.dialects import background, measure
 from kiln.dialects import registry as dialect_registry
 from kiln.errors import InputError, KilnError
 from kiln.ir.graph import Graph, Role
@@ -70,7 +71,7 @@ class CompiledStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: Optimizer, loss_fn: Callable | None = None,
                  dialects=None, max_programs: int = 8, verify: bool = False, amp: str | None = None,
-                 amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16):
+                 amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16, tuning: str | None = None):
         if not isinstance(model, torch.nn.Module):
             raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -85,6 +86,10 @@ class CompiledStep:
             raise KilnError(f"{type(model).__name__} has no trainable parameters (all requires_grad=False)")
         self.dialects = dialect_registry.check_names(dialects) if dialects is not None else None
         self.max_programs = max_programs
+        if tuning is not None and tuning not in measure.TUNINGS:
+            raise KilnError(f"tuning must be one of {', '.join(map(repr, measure.TUNINGS))} (or None: $KILN_TUNING, "
+                            f"default 'online'), got {tuning!r}")
+        self.tuning = tuning
         self.verify = verify
         self.amp = AmpPolicy.make(amp, amp_overrides) if amp is not None else None
         on_cpu = all(p.device.type == "cpu" for p in self.params.values())
@@ -127,13 +132,15 @@ class CompiledStep:
         inputs = [f(leaves, lr) for f in prog.fetch]
         with torch.no_grad():
             loss = prog.fn(*inputs)
+        background.start_pending()          # online tuning: compilers start once a step has run
         return loss.detach()
 
     def _compile(self, args, kwargs, names) -> Program:
         t0 = time.perf_counter()
         args, kwargs = _unalias(args, kwargs)
         graph, constants = capture(self.model, self.loss_fn, args, kwargs)
-        ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify))
+        with measure.use_tuning(self.tuning):
+            ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify))
         source, fn = generate(ctx.graph)
         module_tensors = dict(self.model.named_parameters(remove_duplicate=False))
         module_tensors.update(self.model.named_buffers(remove_duplicate=False))

@@ -364,3 +364,13 @@ def test_summary_says_what_became_of_each_region(cache, monkeypatch):
     regs = fuse_regions(g, NAMES)
     assert summary(regs) == ("regions: 1 found (1 distinct): 1 kept; kept regions measured 0.50 ms faster than "
                              "their ATen ops per step")
+
+
+def test_the_shipped_op_table_is_what_inductor_says():
+    """Grouping reads which ops Inductor takes from kiln/dialects/inductor_ops.json (no 2 s import of
+    Inductor); it must say what Inductor itself says, for every op in Kiln's registry of those kinds."""
+    table = json.loads(inductor.OP_TABLE.read_text())
+    if table["torch"] != torch.__version__:
+        pytest.skip(f"the table is for torch {table['torch']}; regenerate it with "
+                    "`python -m kiln.dialects.inductor --write-op-table`")
+    assert table == inductor.op_table()

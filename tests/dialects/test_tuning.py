@@ -1,0 +1,199 @@
+"""Online tuning: kernels measured on the step's own calls (`measure.Trial`), oneDNN linear decided
+during training, and fused regions compiled by a background worker, then measured, then cached so the
+next compilation decides before the first step. Numerics are checked against PyTorch eager."""
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import pytest
+import torch
+
+import kiln
+from kiln.dialects import background, inductor, measure, registry
+from kiln.errors import KilnError
+from tests.models import zoo
+from tests.passes.graphs import aten, graph_with_inputs
+
+
+class FakeClock:
+    """perf_counter stand-in: each arm's call lasts what `costs` says (ms)."""
+
+    def __init__(self):
+        self.now, self.next = 0.0, 0.0
+
+    def __call__(self):
+        self.now += self.next
+        return self.now
+
+
+def _trial(costs: dict[str, list[float]], samples=3):
+    clock, done = FakeClock(), []
+    trial = measure.Trial(tuple(costs), done.append, samples=samples, clock=clock)
+    left = {arm: list(v) for arm, v in costs.items()}
+
+    def call(arm):
+        clock.next = left[arm].pop(0) / 1e3
+        return arm
+    return trial, done, lambda: trial.run({arm: (lambda a=arm: call(a)) for arm in costs})
+
+
+def test_a_trial_alternates_drops_each_arms_first_call_and_settles_on_medians():
+    trial, done, call = _trial({"aten": [50.0, 1.0, 1.2, 0.9], "new": [70.0, 0.5, 0.4, 0.6]})
+    ran = [call() for _ in range(8)]
+    assert ran == ["aten", "new"] * 4
+    assert trial.settled and done == [{"aten": pytest.approx(1.0), "new": pytest.approx(0.5)}]   # 50/70: warm-up
+
+
+def test_a_trial_waits_while_a_compiler_runs(monkeypatch):
+    trial, done, call = _trial({"aten": [1.0] * 7, "new": [2.0] * 4})
+    monkeypatch.setattr(background, "busy", lambda: True)
+    assert [call() for _ in range(3)] == ["aten"] * 3 and trial.calls == 0
+    monkeypatch.setattr(background, "busy", lambda: False)
+    for _ in range(8):
+        call()
+    assert done == [{"aten": pytest.approx(1.0), "new": pytest.approx(2.0)}]
+
+
+def test_tuning_is_checked(monkeypatch):
+    model, args = _mlp()
+    with pytest.raises(KilnError, match="tuning must be one of"):
+        kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=_loss, tuning="later")
+    monkeypatch.setenv("KILN_TUNING", "sometimes")
+    with pytest.raises(KilnError, match="KILN_TUNING must be one of"):
+        measure.tuning()
+
+
+# ---- oneDNN linear, measured during training -------------------------------------------------------
+def _loss(m, x, y):
+    return torch.nn.functional.cross_entropy(m(x), y)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model, args, _, _ = zoo.MODELS["mlp"]()
+    return model, args
+
+
+def _onednn_linear():
+    return next(i for i in registry.impls_for(aten.linear.default) if i.dialect.name == "onednn")
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+def test_onednn_linear_is_measured_during_training_and_the_decision_cached(monkeypatch, tmp_path, kiln_log):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_TUNING", "online")
+    real = _onednn_linear().kernel
+
+    def slow(*args, **kwargs):          # 3 ms slower than ATen on these tiny shapes: ATen must win
+        time.sleep(0.003)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(_onednn_linear(), "kernel", slow)
+    monkeypatch.setattr(measure, "medians", lambda *a, **k: pytest.fail("measured before the first step"))
+    model, args = _mlp()
+    ref = copy.deepcopy(model)
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=_loss, dialects=["onednn"])
+    step(*args)
+    linears = [n for n in step.graph.nodes if n.op.name == "aten.linear"]
+    assert linears and {n.impl.label for n in linears} == {"onednn:linear (measuring)"}
+    for _ in range(11):                 # each linear runs once a step: 1 + 5 calls per arm
+        step(*args)
+    assert {n.impl.label for n in linears} == {"aten"}
+    assert any("measured during training: ATen kept" in r.getMessage() for r in kiln_log.records)
+    timings = [json.loads(p.read_text()) for p in (tmp_path / "kernels").rglob("*.timing.json")]
+    assert timings and all(t["new_ms"] > t["aten_ms"] + 2 for t in timings)
+    # the trained parameters are eager AdamW's, whichever kernel ran each call
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for _ in range(12):
+        opt.zero_grad()
+        _loss(ref, *args).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    # the next compilation reads the decision before the first step
+    step2 = kiln.compile(_mlp()[0], optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=_loss, dialects=["onednn"])
+    step2(*args)
+    assert {n.impl.label for n in step2.graph.nodes if n.op.name == "aten.linear"} == {"aten"}
+
+
+# ---- fused regions: compiled in the background, measured during training ----------------------------
+def _layer_norm_chain():
+    tensors = [torch.randn(4, 8, 32), torch.randn(4, 8, 32), torch.randn(32), torch.randn(32)]
+    g, b, (x, r, w, bias) = graph_with_inputs(*tensors)
+    h = b(aten.add.Tensor, x, r)
+    out, _, _ = b(aten.native_layer_norm.default, h, [32], w, bias, 1e-5)
+    g.outputs = [b(aten.mul.Tensor, b(aten.gelu.default, out), 1.5), h]
+    return g, tensors
+
+
+def _compiled(g):
+    from kiln.passes.dispatch import dispatch
+    from kiln.passes.regions import Region, fuse_regions
+    from kiln.runtime.codegen import generate
+    considered = fuse_regions(g, ("inductor", "aten"))
+    dispatch(g, ("inductor", "aten"))
+    (region,) = [n.target for n in g.nodes if isinstance(n.target, Region)]
+    return considered, region, generate(g, return_all=True)[1]
+
+
+def _eager(g, tensors):
+    from kiln.passes.dispatch import dispatch
+    from kiln.runtime.codegen import generate
+    g = copy.deepcopy(g)
+    dispatch(g, ("aten",))
+    return generate(g, return_all=True)[1](*tensors)
+
+
+@pytest.mark.inductor
+def test_a_region_compiles_in_the_background_then_is_measured_and_cached(monkeypatch, tmp_path, kiln_log):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_TUNING", "online")
+    monkeypatch.setattr(inductor, "_compile_source", lambda r: pytest.fail("compiled in the training process"))
+    g, tensors = _layer_norm_chain()
+    want = _eager(g, tensors)
+    considered, region, fn = _compiled(g)
+    assert region.online is not None and region.online.state == "compiling in the background"
+    assert region.compiled is None
+    for got, exp in zip(fn(*tensors), want):          # runs its ATen ops meanwhile
+        torch.testing.assert_close(got, exp)
+    background.start_pending()                          # what the compiled step does after a step
+    deadline = time.monotonic() + 240
+    while region.online is not None and time.monotonic() < deadline:
+        for got, exp in zip(fn(*tensors), want):        # kernel or ATen ops, every call is right
+            torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
+        time.sleep(0.05)
+    assert region.online is None, "the background compilation and measurement did not finish"
+    assert region.failed is None
+    timing = json.loads((inductor.cache_dir() / f"{region.key}.timing.json").read_text())
+    assert set(timing) == {"aten_ms", "compiled_ms"} and region.timing == timing
+    assert (region.compiled is not None) == measure.worth_it(timing["compiled_ms"], timing["aten_ms"])
+    assert any("measured during training" in r.getMessage() for r in kiln_log.records)
+    assert not background.busy() and not list(inductor.cache_dir().glob(".jobs.*"))
+
+    # the next compilation decides before the first step, from the cache, compiling nothing
+    g2, _ = _layer_norm_chain()
+    from kiln.passes.regions import fuse_regions
+    (again,) = fuse_regions(g2, ("inductor", "aten"))
+    assert again.online is None and again.timing == timing
+    assert (again.compiled is not None) == (region.compiled is not None)
+
+
+@pytest.mark.inductor
+def test_a_region_the_worker_could_not_compile_keeps_its_ops(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_TUNING", "online")
+    monkeypatch.setattr(background.Worker, "start", lambda self: None)
+
+    g, tensors = _layer_norm_chain()
+    want = _eager(g, tensors)
+    _, region, fn = _compiled(g)
+    worker = region.online.worker
+    worker.seconds = 1.0                                 # finished, having stored nothing
+    monkeypatch.setattr(worker, "errors", lambda: f"kiln worker: {region.key} failed: LoweringException: nope")
+    for got, exp in zip(fn(*tensors), want):
+        torch.testing.assert_close(got, exp)
+    assert region.online is None and region.compiled is None and region.failed == "compile"
+    assert any("could not compile fused region" in r.getMessage() and "LoweringException" in r.getMessage()
+               for r in caplog.records)
+    worker.close()
