@@ -28,11 +28,20 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("kiln")
 
 _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()       # prepared or running
 _pending: "list[Worker]" = []                                  # prepared, not started
+_leftovers: set[str] = set()                                   # logs of finished workers, removed at exit
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class Worker:
@@ -41,32 +50,43 @@ class Worker:
 
     POLL_S = 0.25           # how often `finished()` asks the operating system
 
-    def __init__(self, folder: Path, jobs: dict[str, tuple]):
-        import torch
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, self.jobfile = tempfile.mkstemp(dir=folder, prefix=".jobs.", suffix=".pkl")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump({"folder": str(folder), "threads": torch.get_num_threads(), "jobs": jobs}, f)
-        self.log_path = Path(self.jobfile).with_suffix(".log")
-        if os.environ.get("KILN_KEEP_JOBS"):      # debugging: keep the job file (run the worker by hand)
-            import shutil
-            shutil.copy(self.jobfile, self.jobfile + ".kept")
-        self.keys = list(jobs)
+    def __init__(self, folder: Path, jobs: dict[str, tuple], before_start: Callable[[], None] | None = None):
+        self.folder, self.jobs, self.before_start = folder, dict(jobs), before_start
+        self.jobfile, self.log_path = "", Path()
         self.proc: subprocess.Popen | None = None
+        self.started = 0.0
         self.seconds: float | None = None
         self._polled = 0.0
         _live.add(self)
         _pending.append(self)
 
+    @property
+    def keys(self) -> list[str]:
+        return list(self.jobs)
+
     def start(self) -> None:
+        """Start compiling what is still wanted (`before_start` may drop jobs first: regions the first step
+        showed too cheap to gain anything); with nothing left, the worker is finished at once."""
+        import torch
+        if self.before_start is not None:
+            self.before_start()
+        self.started = time.perf_counter()
+        if not self.jobs:
+            self._done(self.started)
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd, self.jobfile = tempfile.mkstemp(dir=self.folder, prefix=".jobs.", suffix=".pkl")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump({"folder": str(self.folder), "threads": torch.get_num_threads(), "jobs": self.jobs}, f)
+        self.log_path = Path(self.jobfile).with_suffix(".log")
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])       # kiln importable, installed or not
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.started = time.perf_counter()
+        _take_core()
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "kiln.dialects.background", self.jobfile],
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        log.info("kiln: compiling %d fused regions in the background (pid %d)", len(self.keys), self.proc.pid)
+        log.info("kiln: compiling %d fused regions in the background (pid %d)", len(self.jobs), self.proc.pid)
 
     def finished(self) -> bool:
         """Whether the worker is done (asked at most every POLL_S seconds: this sits on the step's path)."""
@@ -80,10 +100,15 @@ class Worker:
         self._polled = now
         if self.proc.poll() is None:
             return False
+        self._done(now)
+        _unlink(self.jobfile)                  # read; the log stays for errors() until close() or exit
+        _leftovers.add(str(self.log_path))
+        return True
+
+    def _done(self, now: float) -> None:
         self.seconds = now - self.started
         _live.discard(self)
         _give_back_core()
-        return True
 
     def errors(self) -> str:
         """The last lines of the worker's log (its errors, if a job failed)."""
@@ -100,14 +125,11 @@ class Worker:
             self.proc.kill()
             self.proc.wait()
         if self.seconds is None:
-            self.seconds = time.perf_counter() - self.started if self.proc is not None else 0.0
-        _live.discard(self)
-        _give_back_core()
-        for path in (self.jobfile, self.log_path):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            self._done(time.perf_counter())
+        if self.proc is not None:
+            _unlink(self.jobfile)
+            _unlink(self.log_path)
+            _leftovers.discard(str(self.log_path))
 
 
 _lent: int | None = None          # the training's thread count while a worker has one of its cores
@@ -149,14 +171,12 @@ def start_pending() -> None:
     while _pending:
         worker = _pending.pop(0)
         try:
-            _take_core()
             worker.start()
         except Exception as exc:     # no background process: its regions keep their ATen ops
             log.warning("kiln: cannot start the background compilation (%s: %s); %d fused regions run their "
                         "ATen ops", type(exc).__name__, exc, len(worker.keys))
-            worker.seconds = 0.0     # finished, with nothing stored: each region reports it cannot load
-            _live.discard(worker)
-            _give_back_core()
+            worker.jobs.clear()
+            worker.close()           # finished, with nothing stored: each region reports it cannot load
 
 
 def busy() -> bool:
@@ -169,6 +189,8 @@ def busy() -> bool:
 def _stop_all() -> None:
     for w in list(_live):
         w.close()
+    for path in list(_leftovers):
+        _unlink(path)
     _live.clear()
     _give_back_core()
 

@@ -205,10 +205,25 @@ def _go_online(folder: Path, pending: dict[str, list]) -> None:
             log.info("kiln: inductor: %d distinct fused regions will be compiled in the background after the "
                      "first step; they run their ATen ops until measured faster", len(jobs))
     board = _Board(worker, len(pending))
+    onlines = {}
     for key, group in pending.items():
-        online = _Online(key, group, folder, worker, board)
+        onlines[key] = _Online(key, group, folder, worker, board)
         for r in group:
-            r.online = online
+            r.online = onlines[key]
+    if worker is not None:
+        worker.before_start = lambda: _drop_cheap(onlines, worker)
+
+
+def _drop_cheap(onlines: dict, worker) -> None:
+    """Before the worker starts: regions whose ATen ops took under 2 * MIN_SAVING_MS a call in the first
+    step cannot save a worthwhile amount: they settle as too cheap and are not compiled (the rule of
+    tuning ahead; first-step times are, if anything, too long, so no region is dropped unfairly)."""
+    if measure.keep() == "all":
+        return
+    for key, online in onlines.items():
+        if online.first and min(online.first) < 2 * measure.MIN_SAVING_MS and key in worker.jobs:
+            del worker.jobs[key]
+            online._settle("too cheap to compile", {"aten_ms": min(online.first)})
 
 
 class _Board:
@@ -235,7 +250,7 @@ class _Board:
 class _Online:
     """One distinct region (all regions with its key) measured during training.
 
-    compiling: the regions run their ATen ops;
+    compiling: the regions run their ATen ops (timed in the first step: `_drop_cheap`);
     measuring: once the worker is done, the kernel is loaded and a `measure.Trial` alternates it with
         the ATen ops; the result is stored like an ahead-of-time measurement (next runs decide at
         compile time) and the faster one runs from then on."""
@@ -244,6 +259,7 @@ class _Online:
         self.key, self.regions, self.folder, self.worker, self.board = key, regions, folder, worker, board
         self.state = "compiling in the background" if worker is not None else "measuring"
         self.kernel = None
+        self.first: list[float] = []          # ms of each call in the first step (before the worker starts)
         self.trial = measure.Trial(("aten_ms", "compiled_ms"), self._measured)
 
     def __call__(self, region, args):
@@ -251,8 +267,13 @@ class _Online:
             self._load(region)
         if region.online is not self:        # settled just now: kept without measuring (KILN_KEEP=all), or failed
             return region(*args)
-        if self.kernel is None:               # still compiling: the ATen ops
-            return region.reference(*args)
+        if self.kernel is None:               # still compiling: the ATen ops (timed in the first step)
+            if background.stepped():
+                return region.reference(*args)
+            t = time.perf_counter()
+            out = region.reference(*args)
+            self.first.append((time.perf_counter() - t) * 1e3)
+            return out
         out = self.trial.run({"aten_ms": lambda: region.reference(*args), "compiled_ms": lambda: region.run_kernel(args)})
         if region.failed is not None:         # the kernel broke (logged by the region): nothing to measure
             self._settle("failed", None, region.failed)

@@ -197,3 +197,20 @@ def test_a_region_the_worker_could_not_compile_keeps_its_ops(monkeypatch, tmp_pa
     assert any("could not compile fused region" in r.getMessage() and "LoweringException" in r.getMessage()
                for r in caplog.records)
     worker.close()
+
+
+@pytest.mark.inductor
+def test_regions_the_first_step_shows_too_cheap_are_not_compiled(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_TUNING", "online")
+    monkeypatch.setattr(background, "_stepped", False)
+    monkeypatch.setattr(measure, "MIN_SAVING_MS", 1e6)        # nothing could save that much
+    g, tensors = _layer_norm_chain()
+    _, region, fn = _compiled(g)
+    worker = region.online.worker
+    fn(*tensors)                                              # the first step times the ATen ops
+    background.start_pending()
+    assert worker.proc is None and worker.finished() and not worker.jobs   # nothing to compile
+    assert region.online is None and region.compiled is None
+    assert set(region.timing) == {"aten_ms"} and region.timing["aten_ms"] > 0
+    assert json.loads((inductor.cache_dir() / f"{region.key}.timing.json").read_text()) == region.timing
