@@ -133,7 +133,8 @@ def choice(impl, node):
     folder = cache_dir("kernels")
     timing = _cached(folder / f"{key}.timing.json")
     if timing is None and online(_device(node)):
-        return _trials.get(key) or _trials.setdefault(key, TrialImpl.of(impl, node, key, folder))
+        live = (str(folder), key)
+        return _trials.get(live) or _trials.setdefault(live, TrialImpl.of(impl, node, key, folder))
     return impl if faster_than_aten(impl, node, key, timing) else None
 
 
@@ -184,7 +185,7 @@ def _cached(path: Path) -> dict | None:
     return got if isinstance(got, dict) and got and all(isinstance(v, (int, float)) for v in got.values()) else None
 
 
-_trials: dict[str, object] = {}       # key -> the registry.Impl of a live online measurement, shared by the nodes with that key
+_trials: dict[tuple, object] = {}     # (cache folder, key) -> the registry.Impl of a live online measurement, shared by the nodes with that key
 
 
 @dataclasses.dataclass(eq=False)
@@ -206,7 +207,7 @@ class TrialImpl:
             write_atomic(folder, f"{key}.timing.json", json.dumps(timing))
             me.chosen = worth_it(timing["new_ms"], timing["aten_ms"])
             _log_decision(impl, node, timing, me.chosen, ", measured during training")
-            _trials.pop(key, None)
+            _trials.pop((str(folder), key), None)
         me.trial = Trial(("aten", "new"), done)
         new, aten = impl.kernel, node.target
 
@@ -217,12 +218,6 @@ class TrialImpl:
         kernel.__name__ = kernel.__qualname__ = getattr(new, "__name__", "kernel")
         return Impl(impl.dialect, impl.target, kernel=kernel, checker=impl.checker, priority=impl.priority,
                     name=impl.name, fallback=impl.fallback, trial=me)
-
-    @property
-    def state(self) -> str:
-        if self.chosen is None:
-            return "measuring"
-        return "measured faster" if self.chosen else "slower here: ATen runs it"
 
 
 def cache_dir(kind: str) -> Path:
