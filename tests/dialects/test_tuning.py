@@ -13,8 +13,9 @@ import torch
 import kiln
 from kiln.dialects import background, inductor, measure, registry
 from kiln.errors import KilnError
-from tests.models import zoo
-from tests.passes.graphs import aten, graph_with_inputs
+from tests.dialects.test_onednn import _loss, _mlp
+from tests.passes.graphs import aten
+from tests.passes.test_regions import _graph_with_layer_norm_chain as _layer_norm_chain
 
 
 class FakeClock:
@@ -66,16 +67,6 @@ def test_tuning_is_checked(monkeypatch):
 
 
 # ---- oneDNN linear, measured during training -------------------------------------------------------
-def _loss(m, x, y):
-    return torch.nn.functional.cross_entropy(m(x), y)
-
-
-def _mlp():
-    torch.manual_seed(0)
-    model, args, _, _ = zoo.MODELS["mlp"]()
-    return model, args
-
-
 def _onednn_linear():
     return next(i for i in registry.impls_for(aten.linear.default) if i.dialect.name == "onednn")
 
@@ -118,15 +109,6 @@ def test_onednn_linear_is_measured_during_training_and_the_decision_cached(monke
 
 
 # ---- fused regions: compiled in the background, measured during training ----------------------------
-def _layer_norm_chain():
-    tensors = [torch.randn(4, 8, 32), torch.randn(4, 8, 32), torch.randn(32), torch.randn(32)]
-    g, b, (x, r, w, bias) = graph_with_inputs(*tensors)
-    h = b(aten.add.Tensor, x, r)
-    out, _, _ = b(aten.native_layer_norm.default, h, [32], w, bias, 1e-5)
-    g.outputs = [b(aten.mul.Tensor, b(aten.gelu.default, out), 1.5), h]
-    return g, tensors
-
-
 def _compiled(g):
     from kiln.passes.dispatch import dispatch
     from kiln.passes.regions import Region, fuse_regions
