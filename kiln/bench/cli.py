@@ -77,6 +77,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=120.0,
                    help="seconds per mode for the measured steps (warm-up: half): stop before a step "
                         "that would overrun it, after at least one; 0 = no budget (default 120)")
+    p.add_argument("--settle", type=float, default=180.0,
+                   help="Kiln modes tuning online (the default on CPU): after the warm-up, run unmeasured steps "
+                        "until the kernels compiled and measured during training are chosen, for at most this "
+                        "many seconds, so the measured steps are the steady state; the table's 'Tuned' column "
+                        "says when that was. 0 = measure at once (default 180)")
     p.add_argument("--timeout", type=float, default=1800.0, help="kill a mode after this many seconds "
                    "and report it as failed (default 1800)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
@@ -108,8 +113,8 @@ def build_config(args: argparse.Namespace) -> dict:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
     if args.warmup < 1:
         raise ValueError(f"--warmup must be at least 1 (the first step always warms up), got {args.warmup}")
-    if args.budget < 0 or args.timeout <= 0:
-        raise ValueError("--budget must be >= 0 and --timeout > 0")
+    if args.budget < 0 or args.settle < 0 or args.timeout <= 0:
+        raise ValueError("--budget and --settle must be >= 0 and --timeout > 0")
     baseline = args.baseline or ("eager" if "eager" in names else names[0])
     if baseline not in names:
         raise ValueError(f"--baseline {baseline} is not one of --modes ({', '.join(names)})")
@@ -119,10 +124,12 @@ def build_config(args: argparse.Namespace) -> dict:
             raise ValueError(f"{flag} {path}: directory {folder} does not exist")
     config = {"model": args.model, "size": args.size, "overrides": overrides, "resolved": resolved,
               "seed": args.seed, "steps": args.steps, "warmup": args.warmup, "budget_s": args.budget,
-              "modes": names, "baseline": baseline, "cold_cache": bool(getattr(args, "cold_cache", False))}
+              "settle_s": args.settle, "modes": names, "baseline": baseline,
+              "cold_cache": bool(getattr(args, "cold_cache", False))}
     parts = ["kiln bench", "--model", args.model, "--modes", ",".join(names), "--size", args.size]
     parts += [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
-    parts += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", f"{args.budget:g}"]
+    parts += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", f"{args.budget:g}",
+              "--settle", f"{args.settle:g}"]
     parts += ["--seed", str(args.seed)] if args.seed else []
     parts += ["--cold-cache"] if config["cold_cache"] else []
     parts += ["--baseline", args.baseline] if args.baseline else []

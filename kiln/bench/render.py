@@ -9,7 +9,7 @@ from typing import Any
 
 # Short headers so the table fits a terminal; docs/benchmarks.md explains each.
 COLUMNS = [
-    ("mode", "Mode"), ("status", "Status"), ("ttfs", "1st step"), ("step", "Step median (min-max)"),
+    ("mode", "Mode"), ("status", "Status"), ("ttfs", "1st step"), ("tuned", "Tuned"), ("step", "Step median (min-max)"),
     ("speedup", "Speed"), ("rate", "{unit}/s"), ("flops", "GFLOP/s (% peak)"),
     ("memory", "Peak RSS MiB"), ("loss", "Loss step 1 -> {loss_step}"), ("steps", "n"),
 ]
@@ -55,6 +55,17 @@ def headers(report: dict) -> list[str]:
     return [title.format(unit=cfg.get("unit", "items"), loss_step=step) for _, title in COLUMNS]
 
 
+def tuned(r: dict) -> str:
+    """When online tuning had chosen every kernel (from the start, like the 1st step), and in brackets
+    what the unmeasured steps after the first took beyond the median step; '-' for modes that do not
+    tune during training, 'no' when the --settle limit came first."""
+    if "tuned_s" not in r:
+        return "-"
+    when = seconds(r["tuned_s"]) if r["tuned_s"] is not None else "no"
+    excess = r.get("tuning_excess_s")
+    return when if excess is None else f"{when} (+{seconds(max(excess, 0.0))})"
+
+
 def status_text(r: dict) -> str:
     return {"ok": "ok", "unavailable": "n/a"}.get(r["status"], "failed")
 
@@ -72,6 +83,7 @@ def rows(report: dict) -> list[list[str]]:
             mem_ratio = r.get("memory_vs_baseline")
             cells.update(
                 ttfs=seconds(r["ttfs_s"]),
+                tuned=tuned(r),
                 step=step_range(r["step_median_s"], r["step_min_s"], r["step_max_s"]),
                 speedup=ratio(r.get("speedup_vs_baseline")), rate=rate(r["items_per_s"]),
                 flops=f"{r['achieved_flops_per_s'] / 1e9:.3g}"
@@ -96,6 +108,11 @@ def notes(report: dict) -> list[str]:
         budget = report.get("config", {}).get("budget_s")
         lines.append(f"*: fewer measured steps than asked: the next step would have overrun "
                      f"the {budget:g} s time budget (--budget)")
+    for r in report.get("results", []):
+        if r.get("still_tuning"):
+            lines.append(f"{r['mode']}: still tuning after the {report.get('config', {}).get('settle_s', 0):g} s "
+                         f"--settle limit ({len(r['still_tuning'])} kernel choices pending): its measured steps "
+                         "include kernel trials and may overlap a background compiler")
     base = report.get("config", {}).get("baseline")
     if base and not any(r["mode"] == base and r["status"] == "ok" for r in report.get("results", [])):
         lines.append(f"baseline {base} did not run, so there are no ratios")

@@ -57,7 +57,9 @@ def _model_lines(report: dict) -> list[str]:
         f"{cfg.get('items_per_batch', '?')} {cfg.get('unit', 'items')} per batch, "
         f"{(cfg.get('flops_per_step') or 0) / 1e9:.1f} GFLOP per training step (analytic)",
         f"- Steps: {cfg.get('warmup')} warm-up (not measured), then {cfg.get('steps')} measured; "
-        f"time budget {cfg.get('budget_s'):g} s per mode; seed {cfg.get('seed')}; "
+        f"time budget {cfg.get('budget_s'):g} s per mode"
+        + (f", up to {cfg['settle_s']:g} s of online tuning before the measured steps" if cfg.get("settle_s") else "")
+        + f"; seed {cfg.get('seed')}; "
         f"ratios against `{cfg.get('baseline')}`",
         f"- Command: `{cfg.get('command', 'kiln bench')}`",
     ] + _peak_lines(report.get("peak_matmul", {}))
@@ -99,6 +101,13 @@ def markdown(reports: list[dict], json_names: list[str], out_name: str | None, i
     lines += ["", "## How to read it", "",
               "- **1st step**: from building the step function (so compilation is included) to the end of "
               "the first training step.",
+              "- **Tuned**: Kiln modes tuning online (the default on CPU) start on ATen's kernels, compile "
+              "fused regions in a background process and measure candidate kernels on the step's own calls; "
+              "this is when every such choice was made, from the same start as **1st step**; in brackets, "
+              "what the unmeasured steps after the first took beyond the median step (the cost of the "
+              "background compiler and of the trials, with the warm-up every mode pays). Those steps run "
+              "before the measured ones (up to `--settle` seconds), so **Step** is the steady state. `-`: the mode does not tune during "
+              "training; `no`: still tuning at the `--settle` limit.",
               "- **Step**: forward + backward + AdamW update; median and min-max over the measured steps "
               "(**n** of them; `*` = cut short by the time budget), each mode in its own fresh process, "
               "same seed and data. **Speed** is the baseline's median step time over this mode's "

@@ -140,7 +140,7 @@ def run(config: dict, timeout_s: float, on_start: Callable[[str], None] | None =
     """Run every mode in ``config["modes"]`` and return the full report dict.
 
     ``config`` holds model, size, overrides, seed, steps, warmup, budget_s,
-    modes and baseline (see ``kiln.bench.cli``).  ``on_start(label)`` is called
+    settle_s, modes and baseline (see ``kiln.bench.cli``).  ``on_start(label)`` is called
     before each subprocess, ``tick(phase, elapsed)`` while it runs and
     ``on_done(result)`` after it.  ``config["faults"]`` ({mode: {"fault": ...}})
     injects failures, for tests.
@@ -162,6 +162,7 @@ def run(config: dict, timeout_s: float, on_start: Callable[[str], None] | None =
         on_done and on_done(got)
     report["peak_matmul"] = peak
     common = {k: config[k] for k in ("model", "size", "overrides", "seed", "steps", "warmup", "budget_s")}
+    common["settle_s"] = config.get("settle_s", 0)
     common["cold_cache"] = bool(config.get("cold_cache"))
     results = []
     for mode in config["modes"]:

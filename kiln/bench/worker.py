@@ -7,7 +7,8 @@ and so that a crash or hang in one mode cannot take the harness down.
 The spec is a JSON object (a file path on argv, or ``-`` for stdin):
 
 * ``mode``, ``model``, ``size``, ``overrides``, ``seed``, ``steps``,
-  ``warmup``, ``budget_s`` (0 = no budget);
+  ``warmup``, ``budget_s`` (0 = no budget), ``settle_s`` (how long Kiln modes may
+  keep tuning online before the measured steps, 0 = not at all);
 * ``out``: where to write the result JSON (it is also printed as the last line
   of stdout); ``progress``: a file the worker rewrites with its current phase;
 * ``fault`` (tests only): ``"raise"``, ``"exit"`` or ``"hang"`` to simulate a
@@ -99,16 +100,38 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
     # growth; they are run but not measured.  The first step counts as one.
     # With a time budget, warm-up gets half of it; the first step of a compiling
     # mode is no estimate of a step, so such modes always warm up a second step.
-    done, warm_start, losses = 1, time.perf_counter(), [loss_first]
-    last = None if known.compiles else ttfs
+    done, warm_start, losses, warm_times = 1, time.perf_counter(), [loss_first], []
+
+    def unmeasured_step() -> None:
+        nonlocal done
+        t = time.perf_counter()
+        losses.append(float(step(**batches[done % len(batches)])))
+        warm_times.append(time.perf_counter() - t)
+        done += 1
+
     while done < warmup:
+        last = warm_times[-1] if warm_times else None if known.compiles else ttfs
         if last is not None and _stop_early(time.perf_counter() - warm_start, last, budget / 2):
             break
         progress(f"warm-up {done + 1}/{warmup}")
-        t = time.perf_counter()
-        losses.append(float(step(**batches[done % len(batches)])))
-        last = time.perf_counter() - t
-        done += 1
+        unmeasured_step()
+
+    # Online tuning (Kiln on CPU): kernels compile in the background and are measured on the step's own
+    # calls for a few steps after the first. Time steady state, not that transient, and report when
+    # it ended ("tuned_s", from the start like ttfs) and what the steps until then took beyond the
+    # steady state ("tuning_excess_s").
+    pending = getattr(step, "pending_tuning", None)
+    settle = float(spec.get("settle_s", 0) or 0)
+    tuning = {}
+    if callable(pending) and pending():
+        limit = time.perf_counter() + settle
+        while pending() and time.perf_counter() < limit:
+            progress(f"tuning step {done + 1}: {len(pending())} kernel choices pending")
+            unmeasured_step()
+        left = pending()
+        tuning = {"tuned_s": None if left else time.perf_counter() - start, "still_tuning": left}
+    elif callable(pending):
+        tuning = {"tuned_s": ttfs, "still_tuning": []}
 
     tracker = memory.PeakTracker()
     tracker.start()
@@ -128,7 +151,10 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
 
     ordered = sorted(times)
     median = statistics.median(ordered)
-    return {**result, **mem, "status": "ok", "ttfs_s": ttfs, "warmup_steps": done,
+    if tuning:
+        tuning["tuning_excess_s"] = sum(t - median for t in warm_times)
+    return {**result, **mem, **tuning, "status": "ok", "ttfs_s": ttfs, "warmup_steps": done,
+            "warmup_step_times_s": warm_times,
             "measured_steps": len(times), "budget_truncated": len(times) < steps,
             "step_times_s": times, "step_median_s": median, "step_min_s": ordered[0],
             "step_max_s": ordered[-1], "step_q1_s": _quantile(ordered, 0.25),

@@ -196,6 +196,24 @@ class CompiledStep:
         """The generated Python of the most recently used program: forward, backward and update."""
         return self._program().source
 
+    def pending_tuning(self) -> list[str]:
+        """What online tuning (`tuning="online"`, the default on CPU) still compiles or measures in the
+        programs compiled so far, one line per distinct kernel choice: [] once every choice is made (the
+        steps from then on run the chosen kernels only). Benchmarks wait for this before timing steps."""
+        pending, seen = [], set()
+        for prog in self.programs.values():
+            for r in prog.regions:
+                if r.online is not None and id(r.online) not in seen:
+                    seen.add(id(r.online))
+                    pending.append(f"fused region {r.name}: {r.online.state}")
+            for n in prog.graph.nodes:
+                trial = n.impl.trial if n.impl is not None else None
+                if trial is not None and trial.chosen is None and id(trial) not in seen:
+                    seen.add(id(trial))
+                    shapes = ", ".join(str(v.meta) for v in n.inputs if v.meta is not None)
+                    pending.append(f"{n.impl.label} {n.op.name}({shapes})")
+        return pending
+
     def explain(self, file=None, profile: bool = False) -> str:
         from kiln.runtime.explain import explain
         return explain(self, file=file, profile=profile)

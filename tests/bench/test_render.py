@@ -38,7 +38,20 @@ def test_notes():
     assert "machine was busy" in render.notes(_report(load_average_1m=1.9))[-1]
 
 
+def test_tuned_column_and_note():
+    report = _report()
+    report["config"]["settle_s"] = 90
+    report["results"] += [dict(report["results"][0], mode="kiln-bf16", tuned_s=31.25, still_tuning=[],
+                               tuning_excess_s=6.13),
+                          dict(report["results"][0], mode="kiln-x", tuned_s=None, still_tuning=["a", "b"])]
+    tuned = [dict(zip(render.headers(report), row))["Tuned"] for row in render.rows(report)]
+    assert tuned == ["-", "-", "31.25 s (+6.13 s)", "no"]
+    assert ("kiln-x: still tuning after the 90 s --settle limit (2 kernel choices pending): its measured steps "
+            "include kernel trials and may overlap a background compiler") in render.notes(report)
+    assert not any(n.startswith("kiln-bf16") for n in render.notes(report))
+
+
 def test_markdown_table():
     lines = render.markdown_table(_report()).splitlines()
     assert lines[0].startswith("| Mode | Status | 1st step |") and lines[1].startswith("|---|---|---:|")
-    assert lines[2].startswith("| eager (base) | ok | 12.50 s | 57 (50-422) ms |") and len(lines) == 4
+    assert lines[2].startswith("| eager (base) | ok | 12.50 s | - | 57 (50-422) ms |") and len(lines) == 4

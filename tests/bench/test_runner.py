@@ -68,3 +68,46 @@ def test_ratios_against_baseline():
     assert results[1]["speedup_vs_baseline"] == 4.0 and results[1]["memory_vs_baseline"] == 0.6
     assert results[0]["peak_fraction"] == 0.5 and results[1]["peak_fraction"] == 0.25
     assert "speedup_vs_baseline" not in results[2]
+
+
+class _TuningStep:
+    """A step that says it is still tuning for its first `tuning_calls` calls (like kiln's online tuning)."""
+
+    def __init__(self, tuning_calls):
+        self.calls, self.tuning_calls = 0, tuning_calls
+
+    def __call__(self, **batch):
+        import time
+
+        import torch
+        self.calls += 1
+        time.sleep(0.01)
+        return torch.tensor(1.0 / self.calls)
+
+    def pending_tuning(self):
+        return ["fused region r0: measuring"] if self.calls < self.tuning_calls else []
+
+
+def test_kiln_modes_measure_after_online_tuning_settles(monkeypatch):
+    from kiln.bench import modes
+    fake = _TuningStep(tuning_calls=6)
+    monkeypatch.setattr(modes, "make_step", lambda mode, model: fake)
+    got = worker.run(dict(CONFIG, mode="kiln", steps=3, warmup=2, settle_s=60))
+    assert got["status"] == "ok", got
+    assert got["warmup_steps"] == 6 and got["measured_steps"] == 3 and fake.calls == 9
+    assert got["still_tuning"] == [] and got["ttfs_s"] < got["tuned_s"] < got["ttfs_s"] + 60
+    assert len(got["warmup_step_times_s"]) == 5 and got["tuning_excess_s"] == sum(
+        t - got["step_median_s"] for t in got["warmup_step_times_s"])
+    # the --settle limit comes first: measured anyway, and the result says so
+    fake = _TuningStep(tuning_calls=10 ** 6)
+    monkeypatch.setattr(modes, "make_step", lambda mode, model: fake)
+    got = worker.run(dict(CONFIG, mode="kiln", steps=3, warmup=2, settle_s=0.2))
+    assert got["status"] == "ok" and got["measured_steps"] == 3
+    assert got["tuned_s"] is None and got["still_tuning"] == ["fused region r0: measuring"]
+    # no settling asked, or a step that does not tune online: measured at once
+    fake = _TuningStep(tuning_calls=6)
+    monkeypatch.setattr(modes, "make_step", lambda mode, model: fake)
+    got = worker.run(dict(CONFIG, mode="kiln", steps=3, warmup=2, settle_s=0))
+    assert got["warmup_steps"] == 2 and got["tuned_s"] is None and got["still_tuning"]
+    monkeypatch.undo()
+    assert "tuned_s" not in worker.run(dict(CONFIG, mode="eager", steps=1))

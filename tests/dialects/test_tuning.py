@@ -47,6 +47,24 @@ def test_a_trial_alternates_drops_each_arms_first_call_and_settles_on_medians():
     assert trial.settled and done == [{"aten": pytest.approx(1.0), "new": pytest.approx(0.5)}]   # 50/70: warm-up
 
 
+def test_a_trial_settles_after_three_samples_each_only_when_they_leave_no_doubt():
+    # every candidate call beats every ATen call by the keep rule: settled after 1 + 3 calls each
+    trial, done, call = _trial({"aten": [9.0, 2.0, 2.1, 1.9], "new": [9.0, 1.0, 1.1, 0.9]}, samples=5)
+    [call() for _ in range(8)]
+    assert trial.settled and done == [{"aten": pytest.approx(2.0), "new": pytest.approx(1.0)}]
+    # every candidate call is slower than every ATen call: settled as early, ATen wins
+    trial, done, call = _trial({"aten": [9.0, 1.0, 1.1, 0.9], "new": [9.0, 2.0, 2.1, 1.9]}, samples=5)
+    [call() for _ in range(8)]
+    assert done == [{"aten": pytest.approx(1.0), "new": pytest.approx(2.0)}]
+    # overlapping samples (the candidate's 1.0 could pass against ATen's 1.2, its 1.3 could not): all 5 each
+    costs = {"aten": [9.0, 1.2, 1.0, 1.1, 1.0, 1.0], "new": [9.0, 1.0, 1.3, 0.9, 0.9, 0.9]}
+    trial, done, call = _trial(costs, samples=5)
+    [call() for _ in range(8)]
+    assert not trial.settled and not done
+    [call() for _ in range(4)]
+    assert done == [{"aten": pytest.approx(1.0), "new": pytest.approx(0.9)}]
+
+
 def test_a_trial_waits_while_a_compiler_runs(monkeypatch):
     trial, done, call = _trial({"aten": [1.0] * 7, "new": [2.0] * 4})
     monkeypatch.setattr(background, "busy", lambda: True)
@@ -88,9 +106,12 @@ def test_onednn_linear_is_measured_during_training_and_the_decision_cached(monke
     step(*args)
     linears = [n for n in step.graph.nodes if n.op.name == "aten.linear"]
     assert linears and {n.impl.label for n in linears} == {"onednn:linear (measuring)"}
-    for _ in range(11):                 # each linear runs once a step: 1 + 5 calls per arm
+    pending = step.pending_tuning()
+    assert len(pending) == len({(n.inputs[0].meta, n.inputs[1].meta) for n in linears})    # one per distinct shape
+    assert all(line.startswith("onednn:linear (measuring) aten.linear(float32[") for line in pending)
+    for _ in range(11):                 # each linear runs once a step: 1 + 5 calls per arm at most
         step(*args)
-    assert {n.impl.label for n in linears} == {"aten"}
+    assert {n.impl.label for n in linears} == {"aten"} and step.pending_tuning() == []
     assert any("measured during training: ATen kept" in r.getMessage() for r in kiln_log.records)
     timings = [json.loads(p.read_text()) for p in (tmp_path / "kernels").rglob("*.timing.json")]
     assert timings and all(t["new_ms"] > t["aten_ms"] + 2 for t in timings)
@@ -159,6 +180,23 @@ def test_a_region_compiles_in_the_background_then_is_measured_and_cached(monkeyp
     (again,) = fuse_regions(g2, ("inductor", "aten"))
     assert again.online is None and again.timing == timing
     assert (again.compiled is not None) == (region.compiled is not None)
+
+
+@pytest.mark.inductor
+def test_a_step_lists_what_it_still_tunes(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_TUNING", "online")
+    monkeypatch.setattr(background.Worker, "start", lambda self: None)
+    model, args = _mlp()
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=_loss, dialects=["inductor", "aten"])
+    step(*args)
+    regions = {r.online: r for r in step.last.regions if r.online is not None}
+    assert regions
+    assert sorted(step.pending_tuning()) == sorted(f"fused region {r.name}: compiling in the background"
+                                                   for r in regions.values())
+    next(iter(regions)).worker.seconds = 1.0             # the worker is done, having stored nothing
+    step(*args)                                          # each region reports it and keeps its ops
+    assert step.pending_tuning() == []
 
 
 @pytest.mark.inductor
