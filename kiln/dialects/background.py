@@ -133,25 +133,28 @@ class Worker:
 
 
 _lent: int | None = None          # the training's thread count while a worker has one of its cores
+_lowered: int | None = None       # ... and the count it was lowered to
 
 
 def _take_core() -> None:
     """While a worker runs, the training uses one thread fewer if its threads fill every core: two
     OpenMP threads sharing their cores with a compiler wait at every barrier for the one that was
     descheduled (measured on 2 cores: Llama steps took 2.5x as long; with one thread, about 2x)."""
-    global _lent
+    global _lent, _lowered
     import torch
     threads = torch.get_num_threads()
     if _lent is None and threads > 1 and threads >= len(os.sched_getaffinity(0)):
-        _lent = threads
-        torch.set_num_threads(threads - 1)
+        _lent, _lowered = threads, threads - 1
+        torch.set_num_threads(_lowered)
 
 
 def _give_back_core() -> None:
+    """The training's threads back once no worker runs (unless the user set another count meanwhile)."""
     global _lent
     if _lent is not None and not any(w.proc is not None and w.seconds is None for w in list(_live)):
         import torch
-        torch.set_num_threads(_lent)
+        if torch.get_num_threads() == _lowered:
+            torch.set_num_threads(_lent)
         _lent = None
 
 

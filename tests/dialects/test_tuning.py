@@ -234,3 +234,25 @@ def test_regions_the_first_step_shows_too_cheap_are_not_compiled(monkeypatch, tm
     assert region.online is None and region.compiled is None
     assert set(region.timing) == {"aten_ms"} and region.timing["aten_ms"] > 0
     assert json.loads((inductor.cache_dir() / f"{region.key}.timing.json").read_text()) == region.timing
+
+
+def test_the_training_lends_a_core_to_a_worker_and_gets_it_back(monkeypatch):
+    monkeypatch.setattr(background.os, "sched_getaffinity", lambda pid: {0, 1})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        background._take_core()
+        assert torch.get_num_threads() == 1
+        background._give_back_core()
+        assert torch.get_num_threads() == 2
+        background._take_core()
+        torch.set_num_threads(2)                          # the user's own choice, made meanwhile, stays
+        torch.set_num_threads(3)
+        background._give_back_core()
+        assert torch.get_num_threads() == 3 and background._lent is None
+        torch.set_num_threads(1)
+        background._take_core()                            # one thread: nothing to lend
+        assert torch.get_num_threads() == 1 and background._lent is None
+    finally:
+        background._lent = None
+        torch.set_num_threads(threads)
