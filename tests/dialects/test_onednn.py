@@ -38,12 +38,17 @@ def test_onednn_linear_trains_like_eager(monkeypatch, tmp_path):
     step, _ = _train(model, args, ["onednn"])
     linears = [n for n in step.graph.nodes if n.op.name == "aten.linear"]
     assert linears and all(n.impl.label == "onednn:linear" for n in linears)
+    _assert_eager_adamw(model, ref, args, steps=3)
+
+
+def _assert_eager_adamw(trained, ref, args, steps):
+    """`trained`'s parameters equal `ref`'s after `steps` steps of torch.optim.AdamW(lr=1e-3) on `_loss`."""
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for _ in range(3):
+    for _ in range(steps):
         opt.zero_grad()
         _loss(ref, *args).backward()
         opt.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(trained.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 

@@ -13,7 +13,7 @@ import torch
 import kiln
 from kiln.dialects import background, inductor, measure, registry
 from kiln.errors import KilnError
-from tests.dialects.test_onednn import _loss, _mlp
+from tests.dialects.test_onednn import _assert_eager_adamw, _loss, _mlp
 from tests.passes.graphs import aten
 from tests.passes.test_regions import _graph_with_layer_norm_chain as _layer_norm_chain
 
@@ -116,13 +116,7 @@ def test_onednn_linear_is_measured_during_training_and_the_decision_cached(monke
     timings = [json.loads(p.read_text()) for p in (tmp_path / "kernels").rglob("*.timing.json")]
     assert timings and all(t["new_ms"] > t["aten_ms"] + 2 for t in timings)
     # the trained parameters are eager AdamW's, whichever kernel ran each call
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for _ in range(12):
-        opt.zero_grad()
-        _loss(ref, *args).backward()
-        opt.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    _assert_eager_adamw(model, ref, args, steps=12)
     # the next compilation reads the decision before the first step
     step2 = kiln.compile(_mlp()[0], optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=_loss, dialects=["onednn"])
     step2(*args)
