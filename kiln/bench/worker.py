@@ -95,6 +95,8 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
             return {**result, "status": "unavailable", "reason": f"NotImplementedError: {exc}"}
         raise
     ttfs = time.perf_counter() - start
+    pending = getattr(step, "pending_tuning", None)    # Kiln's online tuning, below
+    tuned_at_first = callable(pending) and not pending()
 
     # Warm-up: the first steps of a fresh process pay page faults and allocator
     # growth; they are run but not measured.  The first step counts as one.
@@ -118,20 +120,17 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
 
     # Online tuning (Kiln on CPU): kernels compile in the background and are measured on the step's own
     # calls for a few steps after the first. Time steady state, not that transient, and report when
-    # it ended ("tuned_s", from the start like ttfs) and what the steps until then took beyond the
-    # steady state ("tuning_excess_s").
-    pending = getattr(step, "pending_tuning", None)
-    settle = float(spec.get("settle_s", 0) or 0)
+    # it ended ("tuned_s", from the start like ttfs, as seen between steps) and what the steps until
+    # then took beyond the steady state ("tuning_excess_s").
     tuning = {}
-    if callable(pending) and pending():
-        limit = time.perf_counter() + settle
-        while pending() and time.perf_counter() < limit:
-            progress(f"tuning step {done + 1}: {len(pending())} kernel choices pending")
+    if callable(pending):
+        left, limit = pending(), time.perf_counter() + float(spec.get("settle_s", 0) or 0)
+        while left and time.perf_counter() < limit:
+            progress(f"tuning step {done + 1}: {len(left)} kernel choices pending")
             unmeasured_step()
-        left = pending()
-        tuning = {"tuned_s": None if left else time.perf_counter() - start, "still_tuning": left}
-    elif callable(pending):
-        tuning = {"tuned_s": ttfs, "still_tuning": []}
+            left = pending()
+        tuned = ttfs if tuned_at_first else None if left else time.perf_counter() - start
+        tuning = {"tuned_s": tuned, "still_tuning": left}
 
     tracker = memory.PeakTracker()
     tracker.start()

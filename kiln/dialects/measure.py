@@ -107,7 +107,7 @@ class Trial:
     def __init__(self, arms: tuple[str, ...], on_done: Callable[[dict[str, float]], None], samples: int = 5,
                  clock: Callable[[], float] = time.perf_counter, early: int = 3):
         self.arms, self.on_done, self.samples, self.clock = arms, on_done, samples, clock
-        self.early = min(early, samples) if len(arms) == 2 else samples
+        self.early = min(early, samples)
         self.times: dict[str, list[float]] = {a: [] for a in arms}
         self.calls = 0
         self.settled = False
@@ -124,7 +124,9 @@ class Trial:
             self.on_done({a: statistics.median(v) for a, v in self.times.items()})
 
     def _clear(self) -> bool:
-        base, new = (self.times[a] for a in self.arms) if len(self.arms) == 2 else ([], [])
+        if len(self.arms) != 2:               # only a baseline/candidate pair has a keep rule
+            return False
+        base, new = (self.times[a] for a in self.arms)
         return len(base) >= self.early and len(new) >= self.early and clear_cut(base, new)
 
     def run(self, fns: dict[str, Callable[[], object]]) -> object:

@@ -109,5 +109,9 @@ def test_kiln_modes_measure_after_online_tuning_settles(monkeypatch):
     monkeypatch.setattr(modes, "make_step", lambda mode, model: fake)
     got = worker.run(dict(CONFIG, mode="kiln", steps=3, warmup=2, settle_s=0))
     assert got["warmup_steps"] == 2 and got["tuned_s"] is None and got["still_tuning"]
+    # nothing left to tune after the first step (a warm cache): tuned when the first step ended
+    monkeypatch.setattr(modes, "make_step", lambda mode, model: _TuningStep(tuning_calls=1))
+    got = worker.run(dict(CONFIG, mode="kiln", steps=3, warmup=2, settle_s=60))
+    assert got["tuned_s"] == got["ttfs_s"] and got["warmup_steps"] == 2
     monkeypatch.undo()
     assert "tuned_s" not in worker.run(dict(CONFIG, mode="eager", steps=1))
