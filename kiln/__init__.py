@@ -12,11 +12,11 @@ import torch
 
 from kiln import optim
 from kiln.dialects.registry import dialects
-from kiln.errors import CaptureError, InputError, KilnError, UnsupportedError
+from kiln.errors import CaptureError, InputError, KilnError, StepError, UnsupportedError
 from kiln.runtime.step import CompiledStep
 
 __all__ = ["compile", "explain", "dialects", "optim", "adopt", "CompiledStep", "KilnError", "CaptureError",
-           "UnsupportedError", "InputError"]
+           "UnsupportedError", "InputError", "StepError"]
 __version__ = "0.1.0"
 
 

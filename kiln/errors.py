@@ -15,3 +15,7 @@ class UnsupportedError(KilnError):
 
 class InputError(KilnError):
     """step(...) was called with inputs that do not fit (types, shapes, dtypes, cache bound)."""
+
+
+class StepError(KilnError):
+    """A compiled step failed while running; the message names the op, its module and the generated line."""

@@ -34,11 +34,22 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, 
     param.addcdiv_(exp_avg, denom, value=-lr / bias_c1)
 
 
+def same_layout(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`grad` in `param`'s memory layout. The fused ATen optimizer kernels walk every tensor of an update
+    as one flat buffer: a gradient with other strides than its parameter (a weight used transposed, as in
+    `x @ W.T`) would be read in the wrong element order, silently, so it is copied into the parameter's
+    layout first (a no-op when the strides already agree, the usual case)."""
+    if grad.stride() == param.stride():
+        return grad
+    return torch.empty_like(param, dtype=grad.dtype).copy_(grad)
+
+
 def adamw_update_fused(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
                        found_inf=None):
     if found_inf is not None and found_inf.item():
         return
     step += 1
+    grad = same_layout(grad, param)
     torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=lr, beta1=beta1,
                         beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
@@ -49,6 +60,7 @@ def adamw_update_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, b
     if found_inf is not None and found_inf.item():
         return
     torch._foreach_add_(steps, 1)
+    grads = [same_layout(g, p) for g, p in zip(grads, params)]
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
                         weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 

@@ -1,8 +1,8 @@
-"""The visible fallback for ops without a VJP rule: `torch.func.vjp` as one opaque node pair.
+"""The visible fallback for ops without a VJP rule: PyTorch's autograd as one opaque node pair.
 
-The forward node runs the op under `torch.func.vjp` and also returns the VJP closure; the backward
-node applies that closure. Because the closure is made from the very forward call whose outputs the
-graph uses, the gradient is right even for ops that draw random numbers.
+The forward node runs the op with autograd recording and also returns what its backward needs; the
+backward node asks autograd for the inputs' gradients. Because that graph is made by the very forward
+call whose outputs the graph uses, the gradient is right even for ops that draw random numbers.
 """
 from __future__ import annotations
 
@@ -38,20 +38,40 @@ def _fill(template, tensors):
     return template
 
 
-def fallback_forward(op, template, *diff_inputs):
-    """Run `op` on the inputs and return (*outputs, vjp_closure)."""
-    def f(*primals):
-        args, kwargs = _fill(template, primals)
+class _Saved:
+    """What the backward of a fallback pair needs: the forward's leaf inputs and its differentiable
+    outputs, joined by PyTorch's autograd graph of that very call."""
+
+    __slots__ = ("inputs", "outputs")
+
+    def __init__(self, inputs, outputs):
+        self.inputs, self.outputs = inputs, outputs
+
+
+def fallback_forward(op, template, differentiable, *diff_inputs):
+    """Run `op` under PyTorch's autograd on detached copies of the inputs; return (*outputs, saved).
+    `differentiable[i]` says whether output i is floating-point or complex (integer outputs, such as
+    topk's indices, carry no gradient). Autograd, unlike torch.func.vjp, runs every op's own backward,
+    including custom ops and `torch.autograd.Function`s that have no functorch support."""
+    leaves = tuple(x.detach().requires_grad_(True) for x in diff_inputs)
+    with torch.enable_grad():
+        args, kwargs = _fill(template, leaves)
         out = op(*args, **kwargs)
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-    outs, vjp_fn = torch.func.vjp(f, *diff_inputs)
-    return (*outs, vjp_fn)
+    out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    saved = _Saved(leaves, [o if d else None for o, d in zip(out, differentiable)])
+    return (*(o.detach() if isinstance(o, torch.Tensor) else o for o in out), saved)
 
 
-def fallback_backward(vjp_fn, outputs_like, *grads):
-    """Apply the saved closure; outputs without a gradient get zeros."""
-    cotangents = tuple(torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs_like))
-    return tuple(vjp_fn(cotangents))
+def fallback_backward(saved, *grads):
+    """Gradients of the saved inputs, given the gradients of the op's outputs (None: no gradient);
+    inputs the outputs do not depend on get zeros."""
+    pairs = [(o, g) for o, g in zip(saved.outputs, grads)
+             if o is not None and g is not None and o.requires_grad]
+    if not pairs:
+        return tuple(torch.zeros_like(x) for x in saved.inputs)
+    outs, gs = zip(*pairs)
+    got = torch.autograd.grad(outs, saved.inputs, gs, allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(got, saved.inputs))
 
 
 def _no_infer(args, kwargs):  # pragma: no cover - metas are always given explicitly
@@ -60,10 +80,10 @@ def _no_infer(args, kwargs):  # pragma: no cover - metas are always given explic
 
 FALLBACK_FORWARD = register(OpDef("kiln.fallback_forward", (fallback_forward,), None, Kind.OPAQUE, Cast.FP32,
                                   differentiable=False, infer=_no_infer,
-                                  doc="forward of an op without a VJP rule, under torch.func.vjp"))
+                                  doc="forward of an op without a VJP rule, recorded by PyTorch autograd"))
 FALLBACK_BACKWARD = register(OpDef("kiln.fallback_backward", (fallback_backward,), None, Kind.OPAQUE,
                                    Cast.FP32, differentiable=False, infer=_no_infer,
-                                   doc="applies the VJP closure saved by kiln.fallback_forward"))
+                                   doc="gradients by autograd from what kiln.fallback_forward saved"))
 
 
 def convert(b, node, requires: set[Value], reason: str):
@@ -72,18 +92,19 @@ def convert(b, node, requires: set[Value], reason: str):
     index = {v: i for i, v in enumerate(diff)}
     template = tree_map_values(lambda v: _Slot(index[v]) if v in index else v, (node.args, node.kwargs))
     original = node.target
-    log.warning("kiln: no gradient rule for %s (in %s): %s; using the torch.func.vjp fallback "
+    log.warning("kiln: no gradient rule for %s (in %s): %s; using the autograd fallback "
                 "(one opaque node, shown by explain)", node.op.name, node.scope or "<top>", reason)
-    closure = Value(b.graph.fresh_name("vjp_fn"), None, node)
+    closure = Value(b.graph.fresh_name("saved"), None, node)
     node.op, node.target = FALLBACK_FORWARD, fallback_forward
-    node.args, node.kwargs = (original, template, *diff), {}
-    node.outputs = node.outputs + [closure]
-    tensor_outputs = node.outputs[:-1]
+    differentiable = tuple(v.meta is not None and (v.meta.dtype.is_floating_point or v.meta.dtype.is_complex)
+                           for v in node.outputs)
+    node.args, node.kwargs = (original, template, differentiable, *diff), {}
+    outputs = list(node.outputs)
+    node.outputs = outputs + [closure]
 
     def emit_backward(b, n, *grads):
         metas = [v.meta for v in diff]
-        gs = b.emit(FALLBACK_BACKWARD, (closure, list(tensor_outputs), *grads[:len(tensor_outputs)]), {},
-                    name="fallback_grad", metas=metas)
+        gs = b.emit(FALLBACK_BACKWARD, (closure, *grads[:len(outputs)]), {}, name="fallback_grad", metas=metas)
         return dict(zip(diff, gs))
 
     return emit_backward

@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
+from kiln.capture import decomps, functions
 from kiln.errors import CaptureError, KilnError, UnsupportedError
 from kiln.ir.graph import Graph, Node, Phase, Role, TensorMeta, Value
 from kiln.ops import registry
@@ -95,9 +96,10 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
     wrapper = LossModule(model, loss_fn)
     stack: list[str] = []
     try:
-        with _training_config(model), _module_tracker(model, stack), _quiet_torch_logs():
+        with _training_config(model), _module_tracker(model, stack), _quiet_torch_logs(), \
+                functions.honour_autograd_functions(), _capturable_ctc():
             ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
-        ep = ep.run_decompositions({})
+        ep = ep.run_decompositions(decomps.table())
     except KilnError:
         raise
     except Exception as e:
@@ -108,6 +110,28 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
             raise cause from None
         raise CaptureError(_describe_failure(model, stack, e)) from e
     return _to_kiln(ep, model)
+
+
+@contextlib.contextmanager
+def _capturable_ctc():
+    """`F.ctc_loss` with tensor lengths lowers to `aten._ctc_loss.Tensor`, whose second output is shaped by
+    the values of `target_lengths`, which export cannot capture; during capture it becomes
+    `kiln.kernels.ctc_loss` (the same loss and gradients, an output shape known from the inputs)."""
+    import torch.nn.functional as F
+    from kiln.kernels.ctc import ctc_loss as kiln_ctc_loss
+    original = F.ctc_loss
+
+    def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
+                 zero_infinity=False):
+        if isinstance(input_lengths, torch.Tensor) or isinstance(target_lengths, torch.Tensor):
+            return kiln_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
+        return original(log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
+
+    F.ctc_loss = ctc_loss
+    try:
+        yield
+    finally:
+        F.ctc_loss = original
 
 
 @contextlib.contextmanager
@@ -164,8 +188,28 @@ def _describe_failure(model, stack: list[str], e: Exception) -> str:
     if "data-dependent" in str(e) or "DataDependent" in type(e).__name__:
         hint = ("\n  hint: Python control flow or .item()/.tolist() on a tensor's value; the forward must "
                 "branch on shapes only (use torch.where / masking instead)")
+        if type(model).__name__.endswith("ForCTC"):
+            hint += ("\n  hint: Hugging Face CTC heads check the labels' values and select targets by a mask; "
+                     "call the model without labels and compute the loss in loss_fn=, e.g. `log_probs = "
+                     "model(input_values=x).logits.log_softmax(-1).transpose(0, 1)` then `F.ctc_loss(log_probs, "
+                     "labels.clamp_min(0), input_lengths, (labels >= 0).sum(-1), blank=model.config.pad_token_id, "
+                     "reduction=model.config.ctc_loss_reduction, zero_infinity=model.config.ctc_zero_infinity)` "
+                     "with tensor lengths (docs/model-coverage.md)")
     return (f"torch.export could not capture the forward, in {path}" + (f" at {frame}" if frame else "") +
             f":\n  {type(e).__name__}: {first}{hint}")
+
+
+def _dead_scalar_nodes(fx_graph) -> set:
+    """Nodes computing Python scalars (`.item()`, comparisons on them) whose only users are export's
+    runtime assertions or other such nodes: a model's `assert lengths.max() <= n` leaves these behind.
+    They compute nothing the training step uses."""
+    dead: set = set()
+    for fx in reversed(list(fx_graph.nodes)):
+        if fx.op != "call_function" or isinstance(fx.meta.get("val"), torch.Tensor):
+            continue
+        if all(u in dead or u.target in _DROP for u in fx.users):
+            dead.add(fx)
+    return dead
 
 
 def _to_kiln(ep, model) -> tuple[Graph, dict]:
@@ -194,8 +238,9 @@ def _to_kiln(ep, model) -> tuple[Graph, dict]:
         else:
             raise UnsupportedError(f"unsupported graph input kind {spec.kind} ({spec.target})")
 
+    dead = _dead_scalar_nodes(ep.graph)
     for fx in ep.graph.nodes:
-        if fx.op != "call_function" or fx.target in _DROP:
+        if fx.op != "call_function" or fx.target in _DROP or fx in dead:
             continue
         if fx.target is operator.getitem:
             src, i = fx.args

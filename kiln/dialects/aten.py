@@ -72,10 +72,26 @@ lowering(ATEN, aten.scaled_dot_product_attention.default, sdpa_math, name="math"
 
 
 # ---- optimizer updates: ATen's fused multi-tensor kernel where it accepts the tensors -----------
+def _dense(shape, stride) -> bool:
+    """Whether a layout covers its storage exactly once (a permutation of a contiguous layout)."""
+    expected = 1
+    for size, st in sorted((d for d in zip(shape, stride) if d[0] != 1), key=lambda d: d[1]):
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _fused_adamw_ok(n) -> bool:
+    """The fused kernel treats each tensor as one flat buffer: parameter and state must be dense with the
+    same strides (state is made with zeros_like(param)); the kernel copies a gradient of other strides
+    into the parameter's layout (`optim.same_layout`)."""
     param, grad = n.args[0], n.args[1]
     ok = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-    return param.meta.dtype in ok and grad.meta.dtype == param.meta.dtype and param.meta.device.type in ("cpu", "cuda")
+    dense = _dense(param.meta.shape, param.meta.stride)
+    same = all(s.meta.stride == param.meta.stride for s in n.args[2:4])
+    return (param.meta.dtype in ok and grad.meta.dtype == param.meta.dtype and dense and same
+            and param.meta.device.type in ("cpu", "cuda"))
 
 
 def _register_optimizer_kernels() -> None:

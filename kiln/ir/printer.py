@@ -96,7 +96,7 @@ def annotate(n: Node) -> str:
     if n.impl is not None and n.impl.dialect.name != "aten":
         parts.append(f"[{n.impl.label}]")
     if n.op.name.startswith("kiln.fallback"):
-        parts.append("[fallback: torch.func.vjp]")
+        parts.append("[fallback: autograd]")
     return ("  # " + " ".join(parts)) if parts else ""
 
 

@@ -20,9 +20,10 @@ from torch import Tensor
 
 from kiln.kernels._common import GPU_IMPLS
 from kiln.kernels import activations, cross_entropy, norms, rope as _rope  # noqa: F401  (registers the ops)
+from kiln.kernels.ctc import ctc_loss
 
 __all__ = ["rms_norm", "dropout_add_layer_norm", "linear_gelu", "swiglu", "swiglu_linear", "rope",
-           "linear_cross_entropy", "activation_kind", "linear_act", "act_mul", "GPU_IMPLS", "OPS"]
+           "linear_cross_entropy", "ctc_loss", "activation_kind", "linear_act", "act_mul", "GPU_IMPLS", "OPS"]
 
 _k = torch.ops.kiln
 
@@ -33,7 +34,8 @@ OPS = {name: getattr(_k, name).default for name in (
     "swiglu", "swiglu_backward", "swiglu_linear", "swiglu_linear_backward",
     "linear_gelu", "linear_gelu_backward",
     "rope", "rope_backward",
-    "linear_cross_entropy", "linear_cross_entropy_backward")}
+    "linear_cross_entropy", "linear_cross_entropy_backward",
+    "ctc_loss", "ctc_loss_backward")}
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Optional[Tensor] = None):

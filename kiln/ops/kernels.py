@@ -157,3 +157,15 @@ def _lce_flops(n, factor: float = 2.0) -> float:
 defop(kiln_ops.linear_cross_entropy.default, vjp_linear_cross_entropy, Kind.LOSS, LOW, cost=_lce_flops)
 _backward_op(kiln_ops.linear_cross_entropy_backward.default, Kind.LOSS, LOW,
              cost=lambda n: _lce_flops(n, 6.0))   # recompute + grad_hidden + grad_weight
+
+
+# ---- CTC loss (lengths as tensors): the backward recomputes ATen's alignment table ---------------
+def vjp_ctc_loss(b, n, g):
+    lp, targets, il, tl = n.args[:4]
+    blank, reduction, zero_inf = arg(n, 4, "blank", 0), arg(n, 5, "reduction", "mean"), arg(n, 6, "zero_infinity", False)
+    return (b(kiln_ops.ctc_loss_backward.default, g, lp, targets, il, tl, blank, reduction, zero_inf),
+            None, None, None)
+
+
+defop(kiln_ops.ctc_loss.default, vjp_ctc_loss, Kind.LOSS, F32)
+_backward_op(kiln_ops.ctc_loss_backward.default, Kind.LOSS, F32)

@@ -128,3 +128,62 @@ defop(aten.linalg_vector_norm.default, vjp_vector_norm, R, F32)
 
 nondiff([aten.any.default, aten.any.dim, aten.all.default, aten.all.dim],
         kind=R)
+
+
+# ---- selections: values picked by an index the op also returns; the gradient goes back to those places ----
+def _selected_dim(n, i: int, name: str, default=-1) -> int:
+    return arg(n, i, name, default) % max(len(shape(n.args[0])), 1)
+
+
+def vjp_select_k(b, n, g, gi=None):
+    """topk / sort: each value came from x at its index along dim (distinct indices): scatter back."""
+    x = n.args[0]
+    # topk(x, k, dim); sort(x, dim); sort.stable(x, *, stable, dim): dim is keyword-only there
+    position = {aten.topk.default: 2, aten.sort.default: 1}.get(n.target, len(n.args))
+    dim = _selected_dim(n, position, "dim")
+    if not shape(x):                       # a 0-dim input: the only value is x itself
+        return (g,)
+    zeros = b(aten.zeros.default, shape(x), dtype=g.meta.dtype, device=g.meta.device)
+    return (b(aten.scatter.src, zeros, dim, n.outputs[1], g),)
+
+
+defop((aten.topk.default, aten.sort.default, aten.sort.stable), vjp_select_k, Kind.INDEX)
+
+
+def vjp_select_one(b, n, g, gi=None):
+    """max.dim / min.dim / kthvalue / median.dim / mode: one value per slice, taken at its index."""
+    x = n.args[0]
+    with_k = n.target is aten.kthvalue.default
+    dim = _selected_dim(n, 2 if with_k else 1, "dim")
+    keep = arg(n, 3 if with_k else 2, "keepdim", False)
+    if not shape(x):
+        return (g,)
+    return (b(aten.value_selecting_reduction_backward.default, g, dim, n.outputs[1], shape(x), keep),)
+
+
+defop((aten.max.dim, aten.min.dim, aten.kthvalue.default, aten.median.dim, aten.nanmedian.dim, aten.mode.default),
+      vjp_select_one, R)
+
+
+def vjp_cum_select(b, n, g, gi=None):
+    """cummax / cummin: position i took x at indices[i]; several positions may share one source."""
+    x, dim = n.args[0], _selected_dim(n, 1, "dim", 0)
+    if not shape(x):
+        return (g,)
+    zeros = b(aten.zeros.default, shape(x), dtype=g.meta.dtype, device=g.meta.device)
+    return (b(aten.scatter_add.default, zeros, dim, n.outputs[1], g),)
+
+
+defop((aten.cummax.default, aten.cummin.default), vjp_cum_select, R)
+
+
+def vjp_full_extreme(b, n, g):
+    """max() / min() / median() over every element: ties share the gradient evenly (as torch)."""
+    x = n.args[0]
+    hit = b(aten.eq.Tensor, x, n.out)
+    count = b(aten.sum.default, b(aten._to_copy.default, hit, dtype=x.meta.dtype))
+    return (b(aten.where.ScalarOther, hit, b(aten.div.Tensor, g, count), 0.0),)
+
+
+defop((aten.max.default, aten.min.default), vjp_full_extreme, R)
+nondiff([aten.argsort.default, aten.argsort.stable], kind=R)

@@ -112,7 +112,7 @@ def _target_name(t: Any) -> str:
 
 def lookup(target: Any) -> OpDef:
     """The OpDef for an ATen overload. Ops nobody registered get an OpDef with no VJP rule, so
-    autodiff falls back to `torch.func.vjp` for them (logged, and shown by explain)."""
+    autodiff falls back to PyTorch autograd for them (logged, and shown by explain)."""
     _ensure_loaded()
     op = _BY_TARGET.get(target)
     if op is not None:
@@ -122,7 +122,7 @@ def lookup(target: Any) -> OpDef:
         raise UnsupportedError(f"{_target_name(target)} mutates its input in the captured forward; "
                                "Kiln trains functional graphs only")
     op = OpDef(_target_name(target), (target,), None, Kind.OPAQUE, Cast.FOLLOW,
-               doc="not in Kiln's registry: gradient by torch.func.vjp fallback")
+               doc="not in Kiln's registry: gradient by the autograd fallback")
     _BY_TARGET[target] = op
     return op
 

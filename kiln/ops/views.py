@@ -68,10 +68,10 @@ def vjp_cat(b, n, g):
     dim = dim % len(shape(n.out))
     grads, start = [], 0
     for t in tensors:
-        size = shape(t)[dim] if len(shape(t)) else 0
-        if shape(t) == [0]:      # torch.cat skips legacy empty 1-D tensors
+        if shape(t) == [0]:      # torch.cat skips legacy empty 1-D tensors (whatever dim is)
             grads.append(ZERO)
             continue
+        size = shape(t)[dim]
         grads.append(b(aten.slice.Tensor, g, dim, start, start + size))
         start += size
     return (grads,)

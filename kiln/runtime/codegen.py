@@ -33,6 +33,7 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
 
     params = ", ".join(v.name for v in graph.inputs)
     lines = [f"def {name}({params}):"]
+    at_line: dict[int, object] = {}                    # generated line number -> the node it calls
     phase = None
     for i, n in enumerate(graph.nodes):
         if n.phase is not phase:
@@ -40,8 +41,10 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
             lines.append(f"    # ---- {phase.value} ----")
         if times is None:
             lines.append("    " + call_line(n, syms) + annotate(n))
+            at_line[len(lines)] = n
         else:
             lines += ["    _t0 = _clock()", "    " + call_line(n, syms), f"    _times[{i}] += _clock() - _t0"]
+            at_line[len(lines) - 1] = n
         dead = [v.name for v in n.inputs if last_use.get(v) == i and v not in keep]
         dead += [o.name for o in n.outputs if o not in last_use and o not in keep]
         if dead:
@@ -59,7 +62,9 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
     namespace = dict(syms.globals)
     if times is not None:
         namespace.update(_clock=time.perf_counter, _times=times)
-    return source, define(source, name, namespace, f"<kiln-step-{next(_counter)}>")
+    fn = define(source, name, namespace, f"<kiln-step-{next(_counter)}>")
+    fn.node_at_line = at_line            # read by the runtime to name the op a failure came from
+    return source, fn
 
 
 def define(source: str, name: str, namespace: dict, filename: str) -> Callable:

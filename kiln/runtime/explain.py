@@ -68,7 +68,7 @@ def explain(step, file=None, profile: bool = False) -> str:
         out = ", ".join(str(o.meta) for o in n.outputs if o.meta is not None) or "-"
         dialect = n.impl.label if n.impl is not None else "-"
         if n.op.name.startswith("kiln.fallback"):
-            dialect += " (FALLBACK: torch.func.vjp)"
+            dialect += " (FALLBACK: autograd)"
         op = n.op.name if n.fused is None else f"{n.op.name} <- {_short(n.fused.ops)}"
         ms = () if seconds is None else (f"{seconds[i] * 1000:.2f}",)
         rows.append((str(i), n.phase.value, op, dialect, compute_dtype(n)) + ms + (out, n.scope))
@@ -99,7 +99,7 @@ def explain(step, file=None, profile: bool = False) -> str:
     lines.append(f"compiled in {prog.compile_seconds:.2f}s; passes: " +
                  ", ".join(f"{name} {sec * 1000:.0f}ms" for name, sec, _ in prog.timings))
     if fallbacks:
-        lines.append("gradient fallbacks (no VJP rule; torch.func.vjp): " + "; ".join(fallbacks))
+        lines.append("gradient fallbacks (no VJP rule; autograd): " + "; ".join(fallbacks))
     if seconds is not None:
         total = sum(seconds) or 1e-12
         split = collections.Counter()

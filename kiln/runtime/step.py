@@ -13,12 +13,13 @@ import torch.utils._pytree as pytree
 from kiln.capture import capture
 from kiln.dialects import background, measure
 from kiln.dialects import registry as dialect_registry
-from kiln.errors import InputError, KilnError
+from kiln.errors import InputError, KilnError, StepError
 from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
 from kiln.passes.pipeline import AMP_STATE, Context, run_pipeline
 from kiln.runtime.codegen import generate
+from kiln.runtime.failures import describe_failure
 
 log = logging.getLogger("kiln")
 
@@ -34,6 +35,7 @@ class Program:
     compile_seconds: float
     timings: list
     regions: list                 # every fused region considered, kept or not (kiln.passes.regions.Region)
+    ran: bool = False             # has run to the end once (a program failing on its first call is evicted)
 
 
 def _leaf_key(x: Any):
@@ -130,8 +132,17 @@ class CompiledStep:
         self._last_leaves = leaves          # kiln.explain(step, profile=True) replays this batch
         lr = self.optimizer.lr
         inputs = [f(leaves, lr) for f in prog.fetch]
-        with torch.no_grad():
-            loss = prog.fn(*inputs)
+        try:
+            with torch.no_grad():
+                loss = prog.fn(*inputs)
+        except KilnError:
+            raise
+        except Exception as e:
+            if not prog.ran:                # a program that never ran to the end does not keep its slot
+                self.programs.pop(key, None)
+                self.last = None
+            raise StepError(describe_failure(prog, e, evicted=not prog.ran)) from e
+        prog.ran = True
         background.start_pending()          # online tuning: compilers start once a step has run
         return loss.detach()
 

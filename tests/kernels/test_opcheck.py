@@ -74,6 +74,12 @@ def samples():
             out += [(f"lce-{red}-{tag}", k.linear_cross_entropy.default, (h, wv, y, -100, red, 4), DETERMINISTIC),
                     (f"lce_backward-{red}-{tag}", k.linear_cross_entropy_backward.default,
                      (torch.randn_like(loss), *_plain(h, wv), y, lse, -100, red, 4), DETERMINISTIC)]
+        lp = _r(12, 3, 6, dtype=dt).log_softmax(-1).detach().requires_grad_()
+        ctc = (torch.randint(1, 6, (3, 5)), torch.tensor([12, 10, 7]), torch.tensor([5, 3, 1]))
+        out += [(f"ctc_loss-{red}-{tag}", k.ctc_loss.default, (lp, *ctc, 0, red, True), DETERMINISTIC)
+                for red in ("mean", "sum", "none")]
+        out += [(f"ctc_loss_backward-{tag}", k.ctc_loss_backward.default,
+                 (torch.tensor(1.0, dtype=dt), lp.detach(), *ctc, 0, "mean", False), DETERMINISTIC)]
     # non-contiguous inputs (fp32)
     xs, ws = strided(torch.randn(6, 16)).requires_grad_(), transposed(torch.randn(16, 16)).requires_grad_()
     out += [("rms_norm-strided", k.rms_norm.default, (xs, _r(16), 1e-6), DETERMINISTIC),

@@ -81,6 +81,11 @@ CASES = [
     Case("linear_cross_entropy-none", k.linear_cross_entropy.default,
          lambda d: (_r(7, 8, dtype=d), _r(20, 8, dtype=d), torch.tensor([1, -100, 3, 4, 19, 0, 2]), -100, "none", 3),
          _lce_ref),
+    # lengths as tensors: the reference is torch's own CTC loss
+    Case("ctc_loss", k.ctc_loss.default,
+         lambda d: (_r(12, 3, 6, dtype=d).log_softmax(-1), torch.randint(1, 6, (3, 5)), torch.tensor([12, 10, 7]),
+                    torch.tensor([5, 3, 1]), 0, "mean", True),
+         lambda lp, t, il, tl, blank, red, zi: (F.ctc_loss(lp, t, il, tl, blank, red, zi),)),
 ]
 
 

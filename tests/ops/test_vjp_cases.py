@@ -213,6 +213,9 @@ CASES = [
     Case("cat", aten.cat.default, lambda d: (([R(2, 3, d=d), NC(4, 3, d=d)],), {})),
     Case("cat-neg-dim", aten.cat.default, lambda d: (([R(2, 3, d=d), R(2, 1, d=d), NC(2, 2, d=d)], -1), {})),
     Case("cat-legacy-empty", aten.cat.default, lambda d: (([R(2, 3, d=d), torch.zeros(0, dtype=d)], 0), {})),
+    # XLM/Flaubert: a legacy empty tensor first, concatenated along dim 1 (it has no dim 1)
+    Case("cat-legacy-empty-dim1", aten.cat.default,
+         lambda d: (([torch.zeros(0, dtype=d), R(2, 3, d=d), NC(2, 2, d=d)], 1), {})),
     Case("cat-single", aten.cat.default, lambda d: (([NC(2, 3, d=d)], 1), {})),
     Case("stack-dim0", aten.stack.default, lambda d: (([R(3, d=d), R(3, d=d), R(3, d=d)],), {})),
     Case("stack", aten.stack.default, lambda d: (([R(2, 3, d=d), NC(2, 3, d=d)], -1), {})),
@@ -413,6 +416,26 @@ CASES = [
     Case("flash_cpu-bcast-mask-nc", aten._scaled_dot_product_flash_attention_for_cpu.default,
          lambda d: ((R(2, 5, 2, 4, d=d).transpose(1, 2), R(2, 2, 6, 4, d=d), NC(2, 2, 6, 4, d=d)),
                     dict(attn_mask=R(2, 1, 1, 6, d=d)))),
+    # ---- selections returning (values, indices): the gradient goes back to the picked places ----
+    Case("topk", aten.topk.default, lambda d: ((R(3, 5, 6, d=d), 3), {})),
+    Case("topk-dim-smallest", aten.topk.default, lambda d: ((NC(3, 6, 5, d=d), 2, 1, False), {})),
+    Case("topk-unsorted-kw", aten.topk.default, lambda d: ((R(4, 5, d=d), 2), dict(dim=0, sorted=False))),
+    Case("sort-descending", aten.sort.default, lambda d: ((R(3, 5, d=d), 1, True), {})),
+    Case("sort.stable", aten.sort.stable, lambda d: ((NC(3, 6, 5, d=d),), dict(stable=True, dim=-1))),
+    Case("sort.stable-dim0", aten.sort.stable, lambda d: ((R(4, 3, d=d),), dict(stable=None, dim=0))),
+    Case("max.dim", aten.max.dim, lambda d: ((R(3, 5, 6, d=d), 1), {})),
+    Case("max.dim-keepdim", aten.max.dim, lambda d: ((NC(3, 6, 5, d=d), -1, True), {})),
+    Case("min.dim", aten.min.dim, lambda d: ((R(3, 5, d=d), 0), {})),
+    Case("kthvalue-keepdim", aten.kthvalue.default, lambda d: ((R(3, 5, 6, d=d), 2, 1, True), {})),
+    Case("median.dim", aten.median.dim, lambda d: ((NC(3, 6, 5, d=d), -1), {})),
+    Case("nanmedian.dim", aten.nanmedian.dim, lambda d: ((R(3, 5, d=d), 1, True), {})),
+    Case("mode", aten.mode.default, lambda d: ((R(3, 5, d=d), 1), {})),
+    Case("cummax", aten.cummax.default, lambda d: ((R(3, 5, d=d), 1), {})),
+    Case("cummin", aten.cummin.default, lambda d: ((NC(3, 6, 5, d=d), -1), {})),
+    Case("max-ties", aten.max.default, lambda d: ((torch.tensor([[1., 3., 3.], [2., 0., 3.]], dtype=d),), {})),
+    Case("min", aten.min.default, lambda d: ((R(3, 5, d=d),), {})),
+    # no rule, a floating and an integer output: the autograd fallback differentiates the first only
+    Case("frexp-fallback", aten.frexp.Tensor, lambda d: ((R(3, 5, d=d),), {}), fallback=True),
 ]
 
 IDS = [c.id for c in CASES]

@@ -108,3 +108,67 @@ def test_state_dict_mismatch_loads_nothing():
     with pytest.raises(kiln.KilnError, match="bias.exp_avg has shape"):
         step.load_state_dict(sd)
     assert torch.equal(step.state["weight"]["exp_avg"], torch.zeros(2, 2))   # nothing half-loaded
+
+
+@torch.library.custom_op("kilntest::double_no_autograd", mutates_args=())
+def _double_no_autograd(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_double_no_autograd.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class NoAutograd(nn.Module):
+    """A custom op registered without a backward: eager PyTorch cannot differentiate it either."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _double_no_autograd(self.lin(x)).sum()
+
+
+def test_runtime_failure_names_op_module_and_line_and_evicts_the_program():
+    model = nn.Sequential(nn.Linear(4, 4), NoAutograd())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = kiln.compile(model, optimizer=sgd())
+    with pytest.raises(kiln.StepError) as e:
+        step(torch.randn(2, 4))
+    msg = str(e.value)
+    assert "kilntest.double_no_autograd" in msg and "module `1`" in msg, msg
+    assert "line" in msg and "fallback_backward" in msg and "what to do" in msg, msg
+    assert "unchanged" in msg, msg
+    assert isinstance(e.value.__cause__, RuntimeError)
+    assert not step.programs, "a program that failed on its first run keeps no slot"
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+class AssertsOnValues(nn.Module):
+    """A check on a tensor's value (XLM and Flaubert: `assert lengths.max().item() <= slen`): export keeps
+    it as Python scalar nodes feeding a runtime assertion; they compute nothing the step uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        lengths = (ids != 0).sum(dim=1).long()
+        torch._check(lengths.max().item() <= ids.shape[1])
+        return self.emb(ids).sum()
+
+
+def test_python_scalar_checks_do_not_stop_capture():
+    torch.manual_seed(0)
+    model = AssertsOnValues()
+    ref = nn.Embedding(10, 4)
+    ref.load_state_dict(model.emb.state_dict())
+    ids = torch.tensor([[1, 2, 0], [3, 3, 3]])
+    kiln.compile(model, optimizer=kiln.optim.SGD(lr=1.0))(ids)
+    ref(ids).sum().backward()
+    with torch.no_grad():
+        for p, q in zip(model.emb.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q - q.grad)
