@@ -13,16 +13,18 @@ import torch
 from kiln import optim
 from kiln.dialects.registry import dialects
 from kiln.errors import CaptureError, InputError, KilnError, StepError, UnsupportedError
+from kiln.guards import NonFiniteError
 from kiln.runtime.step import CompiledStep
 
 __all__ = ["compile", "explain", "dialects", "optim", "adopt", "CompiledStep", "KilnError", "CaptureError",
-           "UnsupportedError", "InputError", "StepError"]
+           "UnsupportedError", "InputError", "StepError", "NonFiniteError"]
 __version__ = "0.1.0"
 
 
 def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Callable | None = None,
             dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
-            max_programs: int = 8, verify: bool = False, tuning: str | None = None) -> CompiledStep:
+            max_programs: int = 8, verify: bool = False, tuning: str | None = None,
+            nonfinite: str = "raise") -> CompiledStep:
     """Compile `model`'s training step.
 
     Args:
@@ -44,12 +46,21 @@ def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Call
             against ATen on the step's own calls and kept only if faster. "ahead": all of it before the
             first step, so every step runs the same kernels (reproducible numerics from step one).
             Either way the results are cached per machine: later runs decide at compile time.
+        nonfinite: what a step does when its loss or a gradient is NaN/inf (fp32/bf16; fp16's loss scaler
+            skips such steps itself). "raise" (default): a `NonFiniteError` naming the loss or the first
+            parameter, with parameters and optimizer state unchanged; "skip": the step is skipped with a
+            warning and counted in `step.skipped_steps`; "ignore": no check (the update applies NaNs).
+
+    Every step is all or nothing: the update (parameters, optimizer state, step counters, loss scale,
+    buffers) is committed at once at the end, so an exception or a signal leaves all of it as it was
+    or fully updated. Calls from several threads run one at a time.
 
     Returns a `CompiledStep`: `loss = step(...)` trains one step; `step.source()`, `step.explain()`,
     `step.state_dict()` / `step.load_state_dict()`.
     """
     return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
-                        verify=verify, amp=amp, amp_overrides=amp_overrides, tuning=tuning)
+                        verify=verify, amp=amp, amp_overrides=amp_overrides, tuning=tuning,
+                        nonfinite=nonfinite)
 
 
 def explain(step: CompiledStep, file=None, profile: bool = False) -> str:

@@ -5,7 +5,9 @@ and one in-place update node per parameter. Update nodes are Kiln ops (side effe
 with kernels from the dialects: the fused ATen kernel (`_fused_adamw_`, `_fused_sgd_`) where it
 accepts the tensors, and a reference kernel that follows `torch.optim`'s single-tensor code otherwise.
 Parameters and states stay in their own dtype (fp32 master weights); learning rate is read at every
-call, so schedules work by setting `optimizer.lr`.
+call, so schedules work by setting `optimizer.lr`. No kernel writes while the step runs: each stages its
+writes, and the step commits them all at once at the end (kiln/transaction.py), so a failure or an
+interrupt leaves parameters and state either as they were or fully updated.
 """
 from __future__ import annotations
 
@@ -16,22 +18,31 @@ import torch
 from kiln.errors import KilnError
 from kiln.ir.graph import Value
 from kiln.ops.registry import Cast, Kind, OpDef, register
+from kiln.transaction import stage
 
 aten = torch.ops.aten
 
 
-# ---- update kernels (reference: the same arithmetic as torch.optim's single-tensor path) -------
+# ---- update kernels ------------------------------------------------------------------------------
+# Each kernel computes out of place and stages its in-place writes (kiln/transaction.py): the step
+# commits all of them at once after everything else succeeded. Writes that can fail (the fused kernels)
+# are staged before the copies, which cannot.
+def _skip(found_inf) -> bool:
+    """fp16 overflow: the update is skipped, parameter and state left bit-identical."""
+    return found_inf is not None and bool(found_inf.item())
+
+
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, found_inf=None):
-    if found_inf is not None and found_inf.item():
-        return                      # fp16 overflow: skip, leaving parameter and state bit-identical
-    step += 1
-    t = step.item()
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    """The reference: the same arithmetic as torch.optim's single-tensor AdamW, out of place."""
+    if _skip(found_inf):
+        return
+    t = step.item() + 1
+    new_avg = exp_avg.lerp(grad, 1 - beta1)
+    new_sq = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_c1, bias_c2 = 1 - beta1 ** t, 1 - beta2 ** t
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_c2)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_c1)
+    denom = (new_sq.sqrt() / math.sqrt(bias_c2)).add_(eps)
+    new_param = param.mul(1 - lr * weight_decay).addcdiv_(new_avg, denom, value=-lr / bias_c1)
+    stage(torch._foreach_copy_, [param, exp_avg, exp_avg_sq, step], [new_param, new_avg, new_sq, step + 1])
 
 
 def same_layout(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -46,44 +57,42 @@ def same_layout(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def adamw_update_fused(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
                        found_inf=None):
-    if found_inf is not None and found_inf.item():
-        return
-    step += 1
-    grad = same_layout(grad, param)
-    torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=lr, beta1=beta1,
-                        beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    adamw_update_multi([param], [grad], [exp_avg], [exp_avg_sq], [step], lr, beta1, beta2, eps, weight_decay,
+                       found_inf)
 
 
 def adamw_update_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
                        found_inf=None):
-    """The AdamW step of many parameters (same dtype and device) in one multi-tensor kernel."""
-    if found_inf is not None and found_inf.item():
+    """The AdamW step of many parameters (same dtype and device) in one multi-tensor kernel, which reads
+    the incremented step counts; the counters themselves are written after it."""
+    if _skip(found_inf):
         return
-    torch._foreach_add_(steps, 1)
+    new_steps = torch._foreach_add(steps, 1)
     grads = [same_layout(g, p) for g, p in zip(grads, params)]
-    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    stage(torch._fused_adamw_, params, grads, exp_avgs, exp_avg_sqs, [], new_steps, lr=lr, beta1=beta1,
+          beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    stage(torch._foreach_copy_, steps, new_steps)
 
 
 def sgd_update(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay,
                found_inf=None):
-    if found_inf is not None and found_inf.item():
+    if _skip(found_inf):
         return
-    if weight_decay:
-        grad = grad.add(param, alpha=weight_decay)
+    d = grad.add(param, alpha=weight_decay) if weight_decay else grad
+    dst, src = [step], [step + 1]
     if momentum:
-        if step.item() == 0:
-            momentum_buffer.copy_(grad)
-        else:
-            momentum_buffer.mul_(momentum).add_(grad, alpha=1 - dampening)
-        grad = grad.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
-    step += 1
-    param.add_(grad, alpha=-lr)
+        buf = d.clone() if step.item() == 0 else momentum_buffer.mul(momentum).add_(d, alpha=1 - dampening)
+        d = d.add(buf, alpha=momentum) if nesterov else buf
+        dst.append(momentum_buffer)
+        src.append(buf)
+    stage(torch._foreach_copy_, [param, *dst], [param.add(d, alpha=-lr), *src])
 
 
 def loss_scale_update(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
     """Dynamic loss scaling (as torch.amp.GradScaler): halve on overflow, grow after clean steps."""
-    torch._amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+    new_scale, new_tracker = scale.clone(), growth_tracker.clone()
+    torch._amp_update_scale_(new_scale, new_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+    stage(torch._foreach_copy_, [scale, growth_tracker], [new_scale, new_tracker])
 
 
 def _no_outputs(args, kwargs):
@@ -109,18 +118,35 @@ LOSS_SCALE = register(OpDef("kiln.loss_scale_update", (loss_scale_update,), None
                             doc="fp16 dynamic loss scale update (halve on inf/NaN, grow after clean steps)"))
 
 
+def _number(name: str, v, low: float = 0.0, high: float = math.inf, low_open=False, high_open=False) -> float:
+    """A hyper-parameter as a float, or a KilnError naming it and its range."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if ok:
+        v = float(v)
+        ok = (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+    if not ok:
+        rng = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise KilnError(f"{name} must be a number in {rng}, got {v!r}")
+    return v
+
+
 class Optimizer:
-    """Base: hyper-parameters, per-parameter state layout, and the graph code of one update."""
+    """Base: hyper-parameters, per-parameter state layout, and the graph code of one update.
+
+    Hyper-parameters are plain attributes (`optimizer.lr = 1e-4` between steps works); `check()`
+    validates all of them (at construction, before every step and before a checkpoint is loaded)."""
 
     slots: tuple[str, ...] = ()
 
     def __init__(self, lr: float, max_grad_norm: float | None):
-        if not (isinstance(lr, (int, float)) and lr >= 0):
-            raise KilnError(f"lr must be a non-negative number, got {lr!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise KilnError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
-        self.lr = float(lr)
+        self.lr = lr
         self.max_grad_norm = max_grad_norm
+
+    def check(self) -> None:
+        """Validate every hyper-parameter, normalizing types; a KilnError names the first bad one."""
+        self.lr = _number("lr", self.lr)
+        if self.max_grad_norm is not None:
+            self.max_grad_norm = _number("max_grad_norm", self.max_grad_norm, low_open=True)
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -145,9 +171,16 @@ class AdamW(Optimizer):
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, max_grad_norm: float | None = None):
         super().__init__(lr, max_grad_norm)
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise KilnError(f"betas must be in [0, 1), got {betas!r}")
-        self.betas, self.eps, self.weight_decay = (float(betas[0]), float(betas[1])), float(eps), float(weight_decay)
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.check()
+
+    def check(self):
+        super().check()
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
+            raise KilnError(f"betas must be a pair of numbers in [0, 1), got {self.betas!r}")
+        self.betas = tuple(_number(f"betas[{i}]", b, high=1.0, high_open=True) for i, b in enumerate(self.betas))
+        self.eps = _number("eps", self.eps)
+        self.weight_decay = _number("weight_decay", self.weight_decay)
 
     def init_state(self, param):
         return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(param),
@@ -166,10 +199,18 @@ class SGD(Optimizer):
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, max_grad_norm: float | None = None):
         super().__init__(lr, max_grad_norm)
-        if nesterov and (momentum <= 0 or dampening != 0):
+        self.momentum, self.dampening, self.nesterov, self.weight_decay = momentum, dampening, nesterov, weight_decay
+        self.check()
+
+    def check(self):
+        super().check()
+        self.momentum = _number("momentum", self.momentum)
+        self.dampening = _number("dampening", self.dampening, high=1.0)
+        self.weight_decay = _number("weight_decay", self.weight_decay)
+        if not isinstance(self.nesterov, bool):
+            raise KilnError(f"nesterov must be True or False, got {self.nesterov!r}")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise KilnError("nesterov momentum requires momentum > 0 and dampening = 0")
-        self.momentum, self.dampening = float(momentum), float(dampening)
-        self.nesterov, self.weight_decay = bool(nesterov), float(weight_decay)
 
     def init_state(self, param):
         return {"step": torch.zeros((), dtype=torch.float32), "momentum_buffer": torch.zeros_like(param)}

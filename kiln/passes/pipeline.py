@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from kiln.autodiff import differentiate
+from kiln.guards import emit_check
 from kiln.ir.builder import Builder
 from kiln.ir.graph import Graph, Phase, Role, TensorMeta, Value
 from kiln.ir.printer import format_graph
@@ -38,6 +39,7 @@ class Context:
     dialects: tuple[str, ...]
     amp: AmpPolicy | None = None
     verify: bool = False
+    nonfinite: str = "raise"       # kiln.guards.NONFINITE
     timings: list[tuple[str, float, int]] = field(default_factory=list)   # (pass, seconds, nodes after)
     regions: list = field(default_factory=list)  # every fused region considered (kiln.passes.regions.Region)
 
@@ -58,6 +60,8 @@ def add_backward_and_update(ctx: Context) -> int:
     found_inf = None
     if scaling:
         gs, found_inf = unscale_and_check(b, gs, scale)
+    else:                          # fp16's loss scaler skips overflowing steps itself
+        emit_check(b, g.outputs[0], gs, [p.source for p in updated], ctx.nonfinite)
     if ctx.optimizer.max_grad_norm is not None and gs:
         gs = clip_by_global_norm(b, gs, ctx.optimizer.max_grad_norm)
     lr = g.add_input("lr", None, Role.SCALAR, "lr")

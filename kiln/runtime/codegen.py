@@ -12,6 +12,7 @@ from typing import Callable
 
 from kiln.ir.graph import Graph, Role
 from kiln.ir.printer import Symbols, annotate, call_line
+from kiln.transaction import stage
 
 _counter = itertools.count()
 
@@ -51,15 +52,15 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
             lines.append(f"    del {', '.join(dict.fromkeys(dead))}")
     if graph.mutations:
         lines.append("    # ---- buffer updates ----")
-        for target, new in graph.mutations:
-            lines.append(f"    {target.name}.copy_({new.name})")
+        for target, new in graph.mutations:     # written at the step's commit, with the parameters
+            lines.append(f"    _stage({target.name}.copy_, {new.name})")
     if return_all:
         lines.append(f"    return ({''.join(v.name + ', ' for v in graph.outputs)})")
     else:
         lines.append(f"    return {graph.outputs[0].name}")
     source = "\n".join(lines) + "\n"
 
-    namespace = dict(syms.globals)
+    namespace = dict(syms.globals, _stage=stage)
     if times is not None:
         namespace.update(_clock=time.perf_counter, _times=times)
     fn = define(source, name, namespace, f"<kiln-step-{next(_counter)}>")

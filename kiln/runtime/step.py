@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -14,14 +15,18 @@ from kiln.capture import capture
 from kiln.dialects import background, measure
 from kiln.dialects import registry as dialect_registry
 from kiln.errors import InputError, KilnError, StepError
+from kiln.guards import NONFINITE, SkippedStep
 from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
 from kiln.passes.pipeline import AMP_STATE, Context, run_pipeline
+from kiln.runtime import checkpoint
 from kiln.runtime.codegen import generate
 from kiln.runtime.failures import describe_failure
+from kiln.transaction import step_transaction
 
 log = logging.getLogger("kiln")
+_COMPILE_LOCK = threading.RLock()
 
 
 @dataclass
@@ -73,7 +78,8 @@ class CompiledStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: Optimizer, loss_fn: Callable | None = None,
                  dialects=None, max_programs: int = 8, verify: bool = False, amp: str | None = None,
-                 amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16, tuning: str | None = None):
+                 amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16, tuning: str | None = None,
+                 nonfinite: str = "raise"):
         if not isinstance(model, torch.nn.Module):
             raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -92,6 +98,10 @@ class CompiledStep:
             raise KilnError(f"tuning must be one of {', '.join(map(repr, measure.TUNINGS))} (or None: $KILN_TUNING, "
                             f"default 'online'), got {tuning!r}")
         self.tuning = tuning
+        if nonfinite not in NONFINITE:
+            raise KilnError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0                # steps skipped by nonfinite="skip"
         self.verify = verify
         self.amp = AmpPolicy.make(amp, amp_overrides) if amp is not None else None
         on_cpu = all(p.device.type == "cpu" for p in self.params.values())
@@ -110,9 +120,17 @@ class CompiledStep:
                                      "growth_tracker": torch.zeros((), dtype=torch.int32)}
         self.programs: "collections.OrderedDict[tuple, Program]" = collections.OrderedDict()
         self.last: Program | None = None
+        self._lock = threading.RLock()        # calls (and compiles) on one step run one at a time
+        self._tensors = self._module_tensors()
 
     # ---- running ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self._lock:
+            return self._step(args, kwargs)
+
+    def _step(self, args, kwargs) -> torch.Tensor:
+        self.optimizer.check()              # hyper-parameters set between steps are validated too
+        self._follow_replaced_tensors()
         kwargs = dict(sorted(kwargs.items()))
         leaves, spec = pytree.tree_flatten((args, kwargs))
         names = self.dialects or dialect_registry.enabled()
@@ -133,8 +151,13 @@ class CompiledStep:
         lr = self.optimizer.lr
         inputs = [f(leaves, lr) for f in prog.fetch]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), step_transaction() as txn:
                 loss = prog.fn(*inputs)
+        except SkippedStep as e:           # nonfinite="skip": nothing was written
+            self.skipped_steps += 1
+            log.warning("kiln: step skipped (%d so far): %s", self.skipped_steps, e)
+            prog.ran = True
+            return e.loss
         except KilnError:
             raise
         except Exception as e:
@@ -142,30 +165,61 @@ class CompiledStep:
                 self.programs.pop(key, None)
                 self.last = None
             raise StepError(describe_failure(prog, e, evicted=not prog.ran)) from e
+        with torch.no_grad():
+            txn.commit()                    # parameters, optimizer state and buffers, all at once
         prog.ran = True
         background.start_pending()          # online tuning: compilers start once a step has run
         return loss.detach()
 
+    def _module_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        tensors.update(self.model.named_buffers(remove_duplicate=False))
+        return tensors
+
+    def _follow_replaced_tensors(self) -> None:
+        """`model.load_state_dict(sd, assign=True)` (or `module.weight = nn.Parameter(...)`) after compiling
+        puts new tensors on the model: the step follows them when they fit (same shape, dtype, device and
+        trainability, ties unchanged), and refuses otherwise, rather than keep updating the old ones."""
+        now = self._module_tensors()
+        if now.keys() == self._tensors.keys() and all(now[k] is t for k, t in self._tensors.items()):
+            return
+        trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        def sig(t):
+            return tuple(t.shape), t.dtype, t.device, t.requires_grad
+        if (now.keys() != self._tensors.keys() or trainable.keys() != self.params.keys()
+                or any(sig(now[k]) != sig(t) for k, t in self._tensors.items())):
+            changed = sorted(k for k in now.keys() | self._tensors.keys()
+                             if k not in now or k not in self._tensors or sig(now[k]) != sig(self._tensors[k]))
+            raise InputError(f"the parameters or buffers of {type(self.model).__name__} were replaced after "
+                             f"kiln.compile by tensors that do not fit ({changed[:5]}: shape, dtype, device, "
+                             "requires_grad or weight tying changed); call kiln.compile again for the new model")
+        log.info("kiln: the model's parameters/buffers were replaced (e.g. load_state_dict(assign=True)); "
+                 "the step follows the new tensors")
+        self._tensors, self.params = now, trainable
+
     def _compile(self, args, kwargs, names) -> Program:
+        with _COMPILE_LOCK:                 # torch.export and the registries are process-wide state
+            return self._compile_locked(args, kwargs, names)
+
+    def _compile_locked(self, args, kwargs, names) -> Program:
         t0 = time.perf_counter()
         args, kwargs = _unalias(args, kwargs)
         graph, constants = capture(self.model, self.loss_fn, args, kwargs)
         with measure.use_tuning(self.tuning):
-            ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify))
+            ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
+                                       nonfinite=self.nonfinite))
         source, fn = generate(ctx.graph)
-        module_tensors = dict(self.model.named_parameters(remove_duplicate=False))
-        module_tensors.update(self.model.named_buffers(remove_duplicate=False))
-        fetch = [self._fetcher(v, constants, module_tensors) for v in ctx.graph.inputs]
+        fetch = [self._fetcher(v, constants) for v in ctx.graph.inputs]
         seconds = time.perf_counter() - t0
         fallbacks = sum(n.op.name == "kiln.fallback_forward" for n in ctx.graph.nodes)
         log.info("kiln: compiled %s in %.2fs: %d nodes%s", type(self.model).__name__, seconds, len(ctx.graph.nodes),
                  f", {fallbacks} fallback(s)" if fallbacks else "")
         return Program(ctx.graph, source, fn, fetch, seconds, ctx.timings, ctx.regions)
 
-    def _fetcher(self, v, constants, module_tensors) -> Callable[[list, float], Any]:
+    def _fetcher(self, v, constants) -> Callable[[list, float], Any]:
         if v.role in (Role.PARAM, Role.FROZEN, Role.BUFFER):
-            t = module_tensors[v.source]
-            return lambda leaves, lr: t
+            source = v.source
+            return lambda leaves, lr: self._tensors[source]
         if v.role is Role.CONSTANT:
             t = constants[v.source]
             return lambda leaves, lr: t
@@ -260,24 +314,10 @@ class CompiledStep:
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Optimizer state (per parameter name) and hyper-parameters; tensors are copies."""
-        return {"optimizer": type(self.optimizer).__name__, "hyperparameters": self.optimizer.hyperparameters(),
-                "state": {n: {k: t.clone() for k, t in s.items()} for n, s in self.state.items()}}
+        return checkpoint.state_dict(self)
 
     def load_state_dict(self, sd: dict) -> None:
-        if sd.get("optimizer") != type(self.optimizer).__name__:
-            raise KilnError(f"state_dict is for {sd.get('optimizer')}, this step uses {type(self.optimizer).__name__}")
-        missing = set(self.state) - set(sd["state"])
-        unexpected = set(sd["state"]) - set(self.state)
-        if missing or unexpected:
-            raise KilnError(f"state_dict does not fit this model: missing {sorted(missing)[:5]}, "
-                            f"unexpected {sorted(unexpected)[:5]}")
-        for n, slots in sd["state"].items():
-            for k, t in slots.items():
-                if self.state[n][k].shape != t.shape:
-                    raise KilnError(f"state_dict: {n}.{k} has shape {tuple(t.shape)}, expected "
-                                    f"{tuple(self.state[n][k].shape)}")
-        for n, slots in sd["state"].items():       # checked everything first: nothing half-loaded
-            for k, t in slots.items():
-                self.state[n][k].copy_(t)
-        for k, v in sd.get("hyperparameters", {}).items():
-            setattr(self.optimizer, k, tuple(v) if isinstance(v, list) else v)
+        """Load what `state_dict()` returned. Every key, slot, tensor shape/dtype/device and hyper-parameter
+        is checked first; anything wrong refuses the whole checkpoint with a KilnError (nothing applied)."""
+        with self._lock:
+            checkpoint.load_state_dict(self, sd)

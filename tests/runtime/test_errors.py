@@ -105,7 +105,7 @@ def test_state_dict_mismatch_loads_nothing():
     sd = step.state_dict()
     sd["state"]["weight"]["exp_avg"] = torch.ones(2, 2)
     sd["state"]["bias"]["exp_avg"] = torch.ones(5)             # wrong shape
-    with pytest.raises(kiln.KilnError, match="bias.exp_avg has shape"):
+    with pytest.raises(kiln.KilnError, match=r"state\['bias'\]\['exp_avg'\] is \(5,\)"):
         step.load_state_dict(sd)
     assert torch.equal(step.state["weight"]["exp_avg"], torch.zeros(2, 2))   # nothing half-loaded
 

@@ -1,0 +1,59 @@
+"""The non-finite guard: a step whose loss or gradients are not finite writes nothing.
+
+`kiln.compile(..., nonfinite="raise")` (the default) adds one node before the optimizer update: it reads
+every gradient once (its largest magnitude, one multi-tensor pass; NaN and inf propagate) and the loss,
+and on a non-finite value raises `NonFiniteError` naming the loss or the first parameter whose gradient is
+not finite. Since updates are only staged until the step commits (kiln/transaction.py), parameters and
+optimizer state are left exactly as they were. "skip" counts and warns instead (the step returns the
+loss); "ignore" adds no check. fp16 training has its own: the loss scaler skips overflowing steps.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.ops.registry import Cast, Kind, OpDef, register
+
+NONFINITE = ("raise", "skip", "ignore")
+
+
+class NonFiniteError(KilnError):
+    """The loss or a gradient was NaN or infinite; the step wrote nothing."""
+
+
+class SkippedStep(KilnError):
+    """Raised inside a step with nonfinite="skip"; the step catches it and returns `loss`."""
+
+    def __init__(self, message: str, loss: torch.Tensor):
+        super().__init__(message)
+        self.loss = loss
+
+
+def check_finite(loss: torch.Tensor, grads: list, names: tuple, mode: str) -> None:
+    peaks = torch._foreach_norm(grads, float("inf")) if grads else []
+    total = loss.detach().float() + (torch.stack(peaks).float().sum() if peaks else 0.0)
+    if bool(torch.isfinite(total)):
+        return
+    if not bool(torch.isfinite(loss)):
+        what = (f"the loss is {loss.item()}" + (" (a mean over no elements? e.g. every label is the ignore index)"
+                                                 if torch.isnan(loss) else ""))
+    else:
+        first = next(n for n, p in zip(names, peaks) if not bool(torch.isfinite(p)))
+        what = f"the gradient of parameter {first!r} is not finite"
+    if mode == "skip":
+        raise SkippedStep(what, loss.detach())
+    raise NonFiniteError(f"{what}; parameters and optimizer state are unchanged. Lower the learning rate, clip "
+                         "gradients (max_grad_norm=), check the batch, or pass kiln.compile(..., nonfinite='skip') "
+                         "to skip such steps")
+
+
+CHECK_FINITE = register(OpDef("kiln.check_finite", (check_finite,), None, Kind.OPTIMIZER, Cast.FP32,
+                              differentiable=False, side_effects=True, infer=lambda args, kwargs: [],
+                              cost=lambda n: float(sum(g.meta.numel for g in n.args[1])),
+                              doc="raises (or skips the step) when the loss or a gradient is not finite"))
+
+
+def emit_check(b, loss, grads: list, names: list[str], mode: str) -> None:
+    """Add the guard before the update (nothing for mode "ignore")."""
+    if mode != "ignore":
+        b.emit(CHECK_FINITE, (loss, list(grads), tuple(names), mode), {}, metas=[])

@@ -1,0 +1,85 @@
+"""`CompiledStep.state_dict()` / `load_state_dict()`: the optimizer state and hyper-parameters, checked
+whole before anything is applied, and applied as one commit."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.transaction import Transaction
+
+KEYS = ("optimizer", "hyperparameters", "state")
+
+
+def state_dict(step) -> dict:
+    """Optimizer name, hyper-parameters and state (per parameter name); tensors are copies."""
+    return {"optimizer": type(step.optimizer).__name__, "hyperparameters": step.optimizer.hyperparameters(),
+            "state": {n: {k: t.clone() for k, t in s.items()} for n, s in step.state.items()}}
+
+
+def _refuse(what: str) -> KilnError:
+    return KilnError(f"load_state_dict: {what}; nothing was loaded")
+
+
+def checked_optimizer(optimizer, sd: dict):
+    """A copy of `optimizer` with the checkpoint's hyper-parameters, validated (the original is untouched)."""
+    hyper = sd.get("hyperparameters", {})
+    if not isinstance(hyper, dict):
+        raise _refuse(f"'hyperparameters' must be a dict, got {type(hyper).__name__}")
+    known = optimizer.hyperparameters()
+    unknown = sorted(set(hyper) - set(known))
+    if unknown:
+        raise _refuse(f"unknown hyper-parameter(s) {unknown} for {type(optimizer).__name__} (known: {sorted(known)})")
+    candidate = copy.copy(optimizer)
+    for k, v in hyper.items():
+        setattr(candidate, k, tuple(v) if isinstance(v, list) else v)
+    try:
+        candidate.check()
+    except KilnError as e:
+        raise _refuse(f"bad hyper-parameter: {e}") from None
+    return candidate
+
+
+def check_state(current: dict, loaded) -> None:
+    """Every parameter and slot present, nothing extra, each a tensor of the same shape, dtype and device."""
+    if not isinstance(loaded, dict):
+        raise _refuse(f"'state' must be a dict of per-parameter dicts, got {type(loaded).__name__}")
+    missing, unexpected = sorted(set(current) - set(loaded)), sorted(set(loaded) - set(current))
+    if missing or unexpected:
+        raise _refuse(f"the state does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, slots in current.items():
+        got = loaded[name]
+        if not isinstance(got, dict):
+            raise _refuse(f"state[{name!r}] must be a dict of tensors, got {type(got).__name__}")
+        if set(got) != set(slots):
+            raise _refuse(f"state[{name!r}] has slots {sorted(got)}, this optimizer keeps {sorted(slots)}")
+        for k, t in slots.items():
+            v = got[k]
+            if not isinstance(v, torch.Tensor):
+                raise _refuse(f"state[{name!r}][{k!r}] must be a tensor, got {type(v).__name__}")
+            if (v.shape, v.dtype, v.device) != (t.shape, t.dtype, t.device):
+                raise _refuse(f"state[{name!r}][{k!r}] is {tuple(v.shape)} {v.dtype} on {v.device}, expected "
+                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise _refuse(f"state[{name!r}][{k!r}] holds non-finite values")
+
+
+def load_state_dict(step, sd) -> None:
+    if not isinstance(sd, dict):
+        raise _refuse(f"expected the dict that step.state_dict() returns, got {type(sd).__name__}")
+    extra = sorted(set(sd) - set(KEYS))
+    if extra or "state" not in sd:
+        raise _refuse(f"expected keys {list(KEYS)}, got {sorted(sd)}")
+    if sd.get("optimizer") != type(step.optimizer).__name__:
+        raise _refuse(f"the checkpoint is for optimizer {sd.get('optimizer')!r}, this step uses "
+                      f"{type(step.optimizer).__name__}")
+    candidate = checked_optimizer(step.optimizer, sd)
+    check_state(step.state, sd["state"])
+    txn = Transaction()                       # every tensor in one commit
+    dst = [t for n, slots in step.state.items() for t in slots.values()]
+    src = [sd["state"][n][k] for n, slots in step.state.items() for k in slots]
+    txn.writes.append((torch._foreach_copy_, (dst, src), {}))
+    with torch.no_grad():
+        txn.commit()
+    step.optimizer.__dict__.update(candidate.__dict__)
