@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from kiln.ir.graph import Value, tree_map_values
+from kiln.ir.graph import TensorMeta, Value, tree_map_values
 from kiln.ops.registry import Cast, Kind, OpDef, register
 
 log = logging.getLogger("kiln")
@@ -68,10 +68,11 @@ def fallback_backward(saved, *grads):
     pairs = [(o, g) for o, g in zip(saved.outputs, grads)
              if o is not None and g is not None and o.requires_grad]
     if not pairs:
-        return tuple(torch.zeros_like(x) for x in saved.inputs)
+        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in saved.inputs)
     outs, gs = zip(*pairs)
     got = torch.autograd.grad(outs, saved.inputs, gs, allow_unused=True)
-    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(got, saved.inputs))
+    return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
+                 for g, x in zip(got, saved.inputs))
 
 
 def _no_infer(args, kwargs):  # pragma: no cover - metas are always given explicitly
@@ -86,14 +87,19 @@ FALLBACK_BACKWARD = register(OpDef("kiln.fallback_backward", (fallback_backward,
                                    doc="gradients by autograd from what kiln.fallback_forward saved"))
 
 
-def convert(b, node, requires: set[Value], reason: str):
-    """Turn `node` into a fallback forward node in place; return a rule that emits its backward."""
+def convert(b, node, requires: set[Value], reason: str, chosen: bool = False):
+    """Turn `node` into a fallback forward node in place; return a rule that emits its backward.
+    `chosen`: the pair is the intended gradient (a user's torch.autograd.Function runs its own backward),
+    not a missing rule: logged at INFO instead of as a warning."""
     diff = [v for v in node.inputs if v in requires]
     index = {v: i for i, v in enumerate(diff)}
     template = tree_map_values(lambda v: _Slot(index[v]) if v in index else v, (node.args, node.kwargs))
     original = node.target
-    log.warning("kiln: no gradient rule for %s (in %s): %s; using the autograd fallback "
-                "(one opaque node, shown by explain)", node.op.name, node.scope or "<top>", reason)
+    if chosen:
+        log.info("kiln: %s (in %s): one opaque node under PyTorch autograd", reason, node.scope or "<top>")
+    else:
+        log.warning("kiln: no gradient rule for %s (in %s): %s; using the autograd fallback "
+                    "(one opaque node, shown by explain)", node.op.name, node.scope or "<top>", reason)
     closure = Value(b.graph.fresh_name("saved"), None, node)
     node.op, node.target = FALLBACK_FORWARD, fallback_forward
     differentiable = tuple(v.meta is not None and (v.meta.dtype.is_floating_point or v.meta.dtype.is_complex)
@@ -103,7 +109,9 @@ def convert(b, node, requires: set[Value], reason: str):
     node.outputs = outputs + [closure]
 
     def emit_backward(b, n, *grads):
-        metas = [v.meta for v in diff]
+        # autograd returns gradients in whatever layout its kernels chose: they are made contiguous, so
+        # the layout the graph's metas promise (and later views rely on) is the real one
+        metas = [TensorMeta.of(torch.empty(v.meta.shape, dtype=v.meta.dtype, device="meta")) for v in diff]
         gs = b.emit(FALLBACK_BACKWARD, (closure, *grads[:len(outputs)]), {}, name="fallback_grad", metas=metas)
         return dict(zip(diff, gs))
 

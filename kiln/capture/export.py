@@ -83,7 +83,9 @@ def _scope(fx_node) -> str:
     path = list(stack.values())[-1][0]
     for prefix in ("L['self'].", "L__self__."):
         path = path.removeprefix(prefix)
-    return path.removeprefix("model.").removeprefix("model") or ""
+    if path == "model":                  # LossModule's `model`: the user's model itself
+        return ""
+    return path.removeprefix("model.")
 
 
 def _meta(val: Any) -> TensorMeta | None:
@@ -99,6 +101,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
         with _training_config(model), _module_tracker(model, stack), _quiet_torch_logs(), \
                 functions.honour_autograd_functions(), _capturable_ctc():
             ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
+        _detach_no_grad_regions(ep)
         ep = ep.run_decompositions(decomps.table())
     except KilnError:
         raise
@@ -110,6 +113,24 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
             raise cause from None
         raise CaptureError(_describe_failure(model, stack, e)) from e
     return _to_kiln(ep, model)
+
+
+def _detach_no_grad_regions(ep) -> None:
+    """What the forward computes under `torch.no_grad()` carries no gradient. Export records such a block
+    as a `wrap_with_set_grad_enabled(False, ...)` call, which decomposition inlines (and the fact with
+    it): each of its results is detached first, so autodiff sees where gradients stop."""
+    g = ep.graph
+    wrap = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    changed = False
+    for n in list(g.nodes):
+        if n.op == "call_function" and n.target is wrap and n.args and n.args[0] is False:
+            for u in list(n.users):
+                with g.inserting_after(u):
+                    d = g.call_function(torch.ops.aten.detach.default, (u,))
+                u.replace_all_uses_with(d, delete_user_cb=lambda x, d=d: x is not d)
+                changed = True
+    if changed:
+        ep.graph_module.recompile()
 
 
 @contextlib.contextmanager

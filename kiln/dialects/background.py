@@ -2,19 +2,29 @@
 
 `Worker(folder, jobs)` prepares a compilation; `start_pending()`, called by the compiled step after
 each step, starts the prepared ones, so the first step never shares the cores with a compiler. A
-worker is `python -m kiln.dialects.background JOBFILE`: one process that compiles each job's FX graph
-with Inductor (`inductor.compile_graph`) and stores the generated source in the region cache under
-the job's key, exactly as a compilation ahead of time would. The training process never waits for it:
-regions run their ATen ops until `Worker.finished()`, then load what the worker stored.
+worker is `python .../kiln/dialects/background.py`: one process that compiles each job's FX graph with
+Inductor (`inductor.compile_graph`) and stores the generated source in the region cache under the
+job's key, exactly as a compilation ahead of time would (`inductor.store_source`: with its hash in the
+cache's index). The training process never waits for it: regions run their ATen ops until
+`Worker.finished()`, then load what the worker stored.
 
 The worker runs at the training's priority. On a machine whose cores the training keeps busy, a
 compiler at a lower priority barely progresses (measured: a worker at nice 19 had not finished after
 14 steps of Llama), so the kernels would never arrive; at the same priority it takes about 10 s of
 one core and slows the steps it overlaps (`docs/fusion-results.md`).
 
-A job that fails leaves no source; its error is in the worker's log, which `Worker.errors()` reads
-back. Workers still running when the training process exits are stopped (they hold no state a later
-run needs: stored sources are complete files, written atomically).
+Lifecycle: a worker never outlives what started it and leaves nothing on disk but complete cache entries.
+- Its jobs and its log are anonymous temporary files (no name, so nothing to clean up after any death).
+- It dies with the training process: a parent-death signal (Linux `prctl(PR_SET_PDEATHSIG)`, armed when
+  started from the main thread: the signal follows the thread that started it), and, everywhere, a
+  watchdog thread that exits on EOF of the pipe the training holds (closed by the kernel however the
+  training ends, `kill -9` included) or when its parent pid changes. It runs in its own process group,
+  and takes its compiler subprocesses with it.
+- It is stopped (`close()`) when all its regions are settled, when the `Worker` is garbage collected
+  (its step was), and at interpreter exit.
+- A start that fails or is interrupted finishes the worker with nothing stored (warned): its regions
+  report it and keep their ATen ops; tuning is never left pending.
+A job that fails leaves no source; its error is in the worker's log, which `Worker.errors()` reads back.
 """
 from __future__ import annotations
 
@@ -22,9 +32,11 @@ import atexit
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -33,60 +45,80 @@ from typing import Callable
 log = logging.getLogger("kiln")
 
 _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()       # prepared or running
-_pending: "list[Worker]" = []                                  # prepared, not started
-_leftovers: set[str] = set()                                   # logs of finished workers, removed at exit
-
-
-def _unlink(path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+_pending: "list[weakref.ref[Worker]]" = []                     # prepared, not started (a step owns each)
 
 
 class Worker:
     """A background compilation of `jobs` ({key: (fx GraphModule, input metas)}) into `folder`,
-    started by `start_pending()`."""
+    started by `start_pending()`. `before_start` (kept weakly when it is a bound method, so a worker
+    does not keep its owner alive) may drop jobs first."""
 
     POLL_S = 0.25           # how often `finished()` asks the operating system
 
     def __init__(self, folder: Path, jobs: dict[str, tuple], before_start: Callable[[], None] | None = None):
         self.folder, self.jobs, self.before_start = folder, dict(jobs), before_start
-        self.jobfile, self.log_path = "", Path()
-        self.proc: subprocess.Popen | None = None
         self.started = 0.0
         self.seconds: float | None = None
+        self.failure = ""                 # why it did not start (it is then finished, having stored nothing)
+        self._began = False
         self._polled = 0.0
+        self._os = _Process()
+        weakref.finalize(self, self._os.stop)     # garbage collected, or interpreter exit: stopped
         _live.add(self)
-        _pending.append(self)
+        _pending.append(weakref.ref(self))
+
+    @property
+    def before_start(self) -> Callable[[], None] | None:
+        fn = self._before_start
+        return fn() if isinstance(fn, weakref.WeakMethod) else fn
+
+    @before_start.setter
+    def before_start(self, fn: Callable[[], None] | None) -> None:
+        self._before_start = weakref.WeakMethod(fn) if hasattr(fn, "__self__") and hasattr(fn, "__func__") else fn
 
     @property
     def keys(self) -> list[str]:
         return list(self.jobs)
 
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self._os.proc
+
     def start(self) -> None:
         """Start compiling what is still wanted (`before_start` may drop jobs first: regions the first step
-        showed too cheap to gain anything); with nothing left, the worker is finished at once."""
-        import torch
-        if self.before_start is not None:
-            self.before_start()
-        self.started = time.perf_counter()
-        if not self.jobs:
-            self._done(self.started)
+        showed too cheap to gain anything); with nothing left, the worker is finished at once. Never half
+        started: on any failure, an interrupt included, it is finished with nothing stored (warned) and
+        an exception that is not an `Exception` (KeyboardInterrupt, SystemExit) propagates."""
+        if self._began:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd, self.jobfile = tempfile.mkstemp(dir=self.folder, prefix=".jobs.", suffix=".pkl")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump({"folder": str(self.folder), "threads": torch.get_num_threads(), "jobs": self.jobs}, f)
-        self.log_path = Path(self.jobfile).with_suffix(".log")
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])       # kiln importable, installed or not
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        _take_core()
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kiln.dialects.background", self.jobfile],
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        self._began = True
+        self.started = time.perf_counter()
+        try:
+            before = self.before_start
+            if before is not None:
+                before()
+            if not self.jobs:
+                self._done(self.started)
+                return
+            import torch
+            self._os.spawn({"folder": str(self.folder), "threads": torch.get_num_threads(), "jobs": self.jobs})
+            _take_core()
+        except Exception as exc:
+            self._fail(exc)
+            return
+        except BaseException as exc:
+            self._fail(exc)
+            raise
         log.info("kiln: compiling %d fused regions in the background (pid %d)", len(self.jobs), self.proc.pid)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = f"the background compilation did not start ({type(exc).__name__}: {exc})"
+        log.warning("kiln: cannot start the background compilation (%s: %s); %d fused regions run their ATen ops",
+                    type(exc).__name__, exc, len(self.jobs))
+        self.jobs.clear()
+        self._os.stop()
+        if self.seconds is None:
+            self._done(time.perf_counter())
 
     def finished(self) -> bool:
         """Whether the worker is done (asked at most every POLL_S seconds: this sits on the step's path)."""
@@ -101,8 +133,6 @@ class Worker:
         if self.proc.poll() is None:
             return False
         self._done(now)
-        _unlink(self.jobfile)                  # read; the log stays for errors() until close() or exit
-        _leftovers.add(str(self.log_path))
         return True
 
     def _done(self, now: float) -> None:
@@ -111,29 +141,81 @@ class Worker:
         _give_back_core()
 
     def errors(self) -> str:
-        """The last lines of the worker's log (its errors, if a job failed)."""
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(line for line in lines[-20:] if line.strip())
+        """The last lines of the worker's log (its errors, if a job failed), or why it did not start."""
+        text = self._os.read_log()
+        lines = [line for line in text.splitlines()[-20:] if line.strip()]
+        return "\n".join(([self.failure] if self.failure else []) + lines)
 
     def close(self) -> None:
-        if self in _pending:
-            _pending.remove(self)
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        """Stop the worker (with its compilers) if it runs, and release its pipe and log."""
+        _forget(self)
+        self._os.stop()
         if self.seconds is None:
             self._done(time.perf_counter())
-        if self.proc is not None:
-            _unlink(self.jobfile)
-            _unlink(self.log_path)
-            _leftovers.discard(str(self.log_path))
+
+
+class _Process:
+    """The operating-system side of a worker: the process, the pipe whose EOF tells it the training is gone,
+    and its anonymous log. Holds no reference to its `Worker`, so the worker's finalizer can stop it."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.log = None
+
+    def spawn(self, spec: dict) -> None:
+        args = [sys.executable, str(Path(__file__).resolve()), "--parent", str(os.getpid())]
+        if threading.current_thread() is threading.main_thread():
+            args.append("--pdeathsig")      # the signal follows the starting thread: only the main one lives as long
+        self.log = tempfile.TemporaryFile()
+        with tempfile.TemporaryFile() as jobs:
+            pickle.dump(spec, jobs)
+            jobs.flush()
+            jobs.seek(0)
+            self.proc = subprocess.Popen(args + ["--jobs-fd", str(jobs.fileno())], pass_fds=(jobs.fileno(),),
+                                         stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def read_log(self) -> str:
+        """The log's last 64 KiB, read without moving the file offset the worker writes at."""
+        try:
+            fd = self.log.fileno()
+            size = os.fstat(fd).st_size
+            return os.pread(fd, min(size, 1 << 16), max(0, size - (1 << 16))).decode(errors="replace")
+        except (AttributeError, OSError, ValueError):
+            return ""
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)       # its own group: the worker and its compilers
+            except (AttributeError, OSError):
+                proc.kill()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for f in (proc.stdin if proc is not None else None, self.log):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+        self.log = None
+
+
+def _forget(worker: Worker) -> None:
+    _pending[:] = [r for r in _pending if r() is not None and r() is not worker]
 
 
 _lent: int | None = None          # the training's thread count while a worker has one of its cores
 _lowered: int | None = None       # ... and the count it was lowered to
+
+
+def training_threads() -> int:
+    """The training's own thread count (while a worker borrows a core, the count it will get back)."""
+    import torch
+    return _lent if _lent is not None else torch.get_num_threads()
 
 
 def _take_core() -> None:
@@ -143,7 +225,8 @@ def _take_core() -> None:
     global _lent, _lowered
     import torch
     threads = torch.get_num_threads()
-    if _lent is None and threads > 1 and threads >= len(os.sched_getaffinity(0)):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if _lent is None and threads > 1 and threads >= cores:
         _lent, _lowered = threads, threads - 1
         torch.set_num_threads(_lowered)
 
@@ -168,18 +251,19 @@ def stepped() -> bool:
 
 
 def start_pending() -> None:
-    """Start the prepared workers (the compiled step calls this after each step)."""
+    """Start the prepared workers (the compiled step calls this after each step). A worker whose step is
+    gone is not started; one whose start fails is finished with nothing stored (`Worker.start`)."""
     global _stepped
     _stepped = True
     while _pending:
-        worker = _pending.pop(0)
+        ref = _pending[0]
         try:
-            worker.start()
-        except Exception as exc:     # no background process: its regions keep their ATen ops
-            log.warning("kiln: cannot start the background compilation (%s: %s); %d fused regions run their "
-                        "ATen ops", type(exc).__name__, exc, len(worker.keys))
-            worker.jobs.clear()
-            worker.close()           # finished, with nothing stored: each region reports it cannot load
+            worker = ref()
+            if worker is not None:
+                worker.start()
+        finally:
+            if _pending and _pending[0] is ref:
+                _pending.pop(0)
 
 
 def busy() -> bool:
@@ -189,32 +273,74 @@ def busy() -> bool:
 
 
 @atexit.register
-def _stop_all() -> None:
+def stop_all() -> None:
+    """Stop every worker of this process (at exit; also before a private cache folder is removed)."""
     for w in list(_live):
         w.close()
-    for path in list(_leftovers):
-        _unlink(path)
-    _live.clear()
+    _pending.clear()
     _give_back_core()
 
 
+# ---- the worker process --------------------------------------------------------------------------------
+def _die() -> None:
+    """Exit now, with the compilers this worker started (its process group, when it leads one)."""
+    try:
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+    finally:
+        os._exit(1)
+
+
+def _follow_parent(parent: int, pdeathsig: bool) -> None:
+    """Die with the training process `parent`: a parent-death signal where Linux offers one, and a watchdog
+    thread for EOF on stdin (the training's end of the pipe) or a new parent pid (reparented)."""
+    signal.signal(signal.SIGTERM, lambda *_: _die())
+    if pdeathsig and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)    # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:          # it died before the signal was armed
+        _die()
+
+    def watch() -> None:
+        import select
+        while True:
+            try:
+                ready, _, _ = select.select([0], [], [], 0.5)
+                if ready and not os.read(0, 4096):
+                    _die()
+            except (OSError, ValueError):
+                time.sleep(0.5)
+            if os.getppid() != parent:
+                _die()
+    threading.Thread(target=watch, name="kiln-parent-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m kiln.dialects.background JOBFILE (started by kiln, not by hand)", file=sys.stderr)
-        return 2
-    with open(argv[0], "rb") as f:
-        spec = pickle.load(f)
+    import argparse
+    parser = argparse.ArgumentParser(prog="background.py", description="a Kiln compile worker (started by kiln, "
+                                     "not by hand)")
+    parser.add_argument("--parent", type=int, required=True, help="the training process: die with it")
+    parser.add_argument("--jobs-fd", type=int, required=True, help="an inherited file of pickled jobs")
+    parser.add_argument("--pdeathsig", action="store_true", help="arm Linux's parent-death signal")
+    opts = parser.parse_args(argv)
+    _follow_parent(opts.parent, opts.pdeathsig)
     import torch
+    with open(opts.jobs_fd, "rb") as f:
+        spec = pickle.load(f)
     torch.set_num_threads(spec["threads"])      # Inductor's C++ kernels are generated for this many threads
     from torch._inductor import config
     config.compile_threads = 1                  # no pool of compile processes on top of this one
 
-    from kiln.dialects import inductor, measure
+    from kiln.dialects import inductor
     folder, failed = Path(spec["folder"]), 0
     for key, (fx, metas) in spec["jobs"].items():
         t = time.perf_counter()
         try:
-            measure.write_atomic(folder, f"{key}.py", inductor.compile_graph(fx, metas))
+            if not inductor.store_source(folder, key, inductor.compile_graph(fx, metas)):
+                raise OSError("the cache could not be written")
             print(f"kiln worker: compiled {key} in {time.perf_counter() - t:.1f}s", flush=True)
         except Exception as exc:     # reported through the log; the region keeps its ATen ops
             failed += 1
@@ -224,4 +350,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # run as a file (not -m kiln...): only the standard library is imported before the parent is followed
+    sys.path[0] = str(Path(__file__).resolve().parents[2])      # kiln's root, not this folder
     sys.exit(main(sys.argv[1:]))

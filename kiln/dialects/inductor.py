@@ -9,9 +9,13 @@ Triton on GPU):
                -> compile_fx_inner -> the generated Python wrapper + kernels
 
 Identical regions (same structural key: ops, constants, shapes, strides, dtypes) are compiled once.
-The generated wrapper source is kept on disk under the structural key (`cache_dir()`), so a second
-run of the same model loads its kernels instead of compiling them; Inductor keeps the built kernel
-libraries in its own cache. A region that fails to compile runs its ATen ops instead, with a warning.
+The generated wrapper source is kept on disk under the structural key (`cache_dir()`: one folder per
+torch version and machine, `measure.machine()`), so a second run of the same model loads its kernels
+instead of compiling them; Inductor keeps the built kernel libraries in its own cache. The generated
+C++ hard-codes the vector ISA Inductor picked, so each source is stored with its sha256 and what it was
+made for (`codegen_facts()`: the ISA, Inductor's configuration, the compiler) in the cache's index, and
+is executed only if both match (`measure.load_artifact`), from the very string that was checked. A
+region that fails to compile runs its ATen ops instead, with a warning.
 
 Fused is not always faster: on a CPU, ATen's own kernels for layer norm or GELU backward are hard to
 beat. Each distinct region's ATen ops are therefore timed first (a region whose ops take under
@@ -23,11 +27,13 @@ replaces them only when it takes at most 95 % of their time and saves at least 0
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import linecache
 import logging
 import operator
-import os
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -116,7 +122,7 @@ def _overload(name: str) -> OpOverload:
 
 def cache_dir() -> Path:
     """Where compiled regions are kept: $KILN_CACHE_DIR/inductor (default ~/.cache/kiln/inductor), one
-    folder per torch version."""
+    folder per torch version and machine (`measure.cache_dir`)."""
     return measure.cache_dir("inductor")
 
 
@@ -150,7 +156,9 @@ def compile_all(regions) -> None:
             slower.append(group[0].name)
         else:
             plan.append(key)
-    todo = [k for k in plan if not (folder / f"{k}.py").exists()]
+    facts = codegen_facts() if plan else {}
+    sources = {k: _load_source(folder, k, facts) for k in plan}
+    todo = [k for k in plan if sources[k] is None]
     t0 = time.perf_counter()
     if todo:
         log.info("kiln: inductor: compiling %d distinct fused regions (%d regions; %d cached; %d too cheap to "
@@ -159,10 +167,10 @@ def compile_all(regions) -> None:
         group = by_key[key]
         first = group[0]
         try:
-            source = _load_source(folder, key)
+            source = sources[key]
             if source is None:
                 source = _compile_source(first)
-                _store_source(folder, key, source)
+                store_source(folder, key, source)
                 log.info("kiln: inductor: %d/%d %s (%.1fs)", todo.index(key) + 1, len(todo), first.name,
                          time.perf_counter() - t0)
             kernel = _load_kernel(source)
@@ -192,7 +200,7 @@ def _go_online(folder: Path, pending: dict[str, list]) -> None:
     a background worker compiles the kernels not in the cache; once it is done, each kernel is measured
     against its ATen ops on the step's own calls and kept only if faster (`_Online`)."""
     jobs = {key: (to_fx(group[0]), [_meta(v.meta) for v in group[0].inputs])
-            for key, group in pending.items() if not (folder / f"{key}.py").exists()}
+            for key, group in pending.items() if not _cached(folder, key)}
     worker = None
     if jobs:
         try:
@@ -205,25 +213,12 @@ def _go_online(folder: Path, pending: dict[str, list]) -> None:
             log.info("kiln: inductor: %d distinct fused regions will be compiled in the background after the "
                      "first step; they run their ATen ops until measured faster", len(jobs))
     board = _Board(worker, len(pending))
-    onlines = {}
     for key, group in pending.items():
-        onlines[key] = _Online(key, group, folder, worker, board)
+        board.onlines[key] = _Online(key, group, folder, worker, board)
         for r in group:
-            r.online = onlines[key]
+            r.online = board.onlines[key]
     if worker is not None:
-        worker.before_start = lambda: _drop_cheap(onlines, worker)
-
-
-def _drop_cheap(onlines: dict, worker) -> None:
-    """Before the worker starts: regions whose ATen ops took under 2 * MIN_SAVING_MS a call in the first
-    step cannot save a worthwhile amount: they settle as too cheap and are not compiled (the rule of
-    tuning ahead; first-step times are, if anything, too long, so no region is dropped unfairly)."""
-    if measure.keep() == "all":
-        return
-    for key, online in onlines.items():
-        if online.first and min(online.first) < 2 * measure.MIN_SAVING_MS and key in worker.jobs:
-            del worker.jobs[key]
-            online._settle("too cheap to compile", {"aten_ms": min(online.first)})
+        worker.before_start = board.drop_cheap       # kept weakly: the worker does not keep the step alive
 
 
 class _Board:
@@ -231,6 +226,18 @@ class _Board:
 
     def __init__(self, worker, count: int):
         self.worker, self.left, self.kept, self.saved, self.other = worker, count, 0, 0.0, {}
+        self.onlines: dict[str, _Online] = {}
+
+    def drop_cheap(self) -> None:
+        """Before the worker starts: regions whose ATen ops took under 2 * MIN_SAVING_MS a call in the first
+        step cannot save a worthwhile amount: they settle as too cheap and are not compiled (the rule of
+        tuning ahead; first-step times are, if anything, too long, so no region is dropped unfairly)."""
+        if measure.keep() == "all":
+            return
+        for key, online in self.onlines.items():
+            if online.first and min(online.first) < 2 * measure.MIN_SAVING_MS and key in self.worker.jobs:
+                del self.worker.jobs[key]
+                online._settle("too cheap to compile", {"aten_ms": min(online.first)})
 
     def settle(self, outcome: str, saved_ms: float = 0.0) -> None:
         self.left -= 1
@@ -250,7 +257,7 @@ class _Board:
 class _Online:
     """One distinct region (all regions with its key) measured during training.
 
-    compiling: the regions run their ATen ops (timed in the first step: `_drop_cheap`);
+    compiling: the regions run their ATen ops (timed in the first step: `_Board.drop_cheap`);
     measuring: once the worker is done, the kernel is loaded and a `measure.Trial` alternates it with
         the ATen ops; the result is stored like an ahead-of-time measurement (next runs decide at
         compile time) and the faster one runs from then on."""
@@ -280,8 +287,8 @@ class _Online:
         return out
 
     def _load(self, region) -> None:
-        source = _load_source(self.folder, self.key)
         try:
+            source = _load_source(self.folder, self.key, codegen_facts())
             if source is None:
                 raise RuntimeError(self.worker.errors() if self.worker is not None else "no kernel")
             self.kernel = _load_kernel(source)
@@ -342,15 +349,34 @@ def _measured(folder: Path, key: str, region, kernel=None) -> dict:
     return timing
 
 
-def _load_source(folder: Path, key: str) -> str | None:
+def _load_source(folder: Path, key: str, facts: dict[str, str]) -> str | None:
+    """The cached source of `key`, if Kiln stored exactly this text for what `facts` describe (else None)."""
+    return measure.load_artifact(folder, f"{key}.py", facts)
+
+
+def _cached(folder: Path, key: str) -> bool:
+    """Whether a source Kiln stored for `key` is in the cache (checked by hash; not importing Inductor)."""
+    return measure.load_artifact(folder, f"{key}.py") is not None
+
+
+def store_source(folder: Path, key: str, source: str) -> bool:
+    """Cache the generated source of `key` with its hash and what it was made for (`codegen_facts`)."""
+    return measure.store_artifact(folder, f"{key}.py", source, codegen_facts())
+
+
+def codegen_facts() -> dict[str, str]:
+    """What Inductor's generated source depends on besides the region and torch's version: the vector ISA
+    its C++ code generator picks (vector widths are hard-coded in the source), its configuration (the
+    entries Inductor itself keys its caches by) and the C++ compiler."""
     try:
-        return (folder / f"{key}.py").read_text()
-    except OSError:
-        return None
-
-
-def _store_source(folder: Path, key: str, source: str) -> None:
-    measure.write_atomic(folder, f"{key}.py", source)
+        from torch._inductor import config, cpp_builder, cpu_vec_isa
+        ignored = tuple(getattr(config, "_cache_config_ignore_prefix", ()))
+        settings = sorted((k, repr(v)) for k, v in config.save_config_portable().items() if not k.startswith(ignored))
+        return {"isa": str(cpu_vec_isa.pick_vec_isa()),
+                "config": hashlib.sha256(repr(settings).encode()).hexdigest()[:16],
+                "cxx": measure.compiler(cpp_builder.get_cpp_compiler())}
+    except Exception as exc:     # matches nothing cached: compiled again (and failing, reported as such)
+        return {"unknown": f"{type(exc).__name__}: {exc}"}
 
 
 def to_fx(region) -> torch.fx.GraphModule:
@@ -405,9 +431,23 @@ def compile_graph(fx: torch.fx.GraphModule, metas: list[tuple]) -> str:
     return source
 
 
+_modules: dict[str, types.ModuleType] = {}     # sha256 of a loaded source -> its module
+
+
 def _load_kernel(source: str):
-    from torch._inductor.codecache import PyCodeCache
-    return PyCodeCache.load(source).call
+    """The `call` of Inductor's generated wrapper `source`, executed from this string (checked against the
+    cache's index by the caller), never re-read from a file: what was checked is what runs."""
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    mod = _modules.get(digest)
+    if mod is None:
+        name = f"kiln_region_{digest[:24]}"
+        filename = f"<{name}>"
+        code = compile(source, filename, "exec", dont_inherit=True)
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)   # tracebacks
+        mod = types.ModuleType(name)
+        exec(code, mod.__dict__)
+        _modules[digest] = mod
+    return mod.call
 
 
 region_provider(INDUCTOR, accepts, compile_all, max_ops=64,

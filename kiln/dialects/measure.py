@@ -3,9 +3,15 @@
 A dialect that is only sometimes faster than ATen (Inductor regions, oneDNN linear) asks here instead
 of guessing: both implementations run interleaved (a warm-up, then 5 runs each) on tensors with the
 node's shapes, strides and dtypes, and the medians are kept in a small JSON file per key under
-`cache_dir()`, so each distinct case is timed once per machine and torch version. Files are written
-atomically (temp file + rename): a reader never sees half a file, and a cache that cannot be written
-only costs a later run the measurement again.
+`cache_dir()`, so each distinct case is timed once per machine and torch version.
+
+The cache (`cache_dir()`): one folder per torch version and machine (`machine()`: CPU ISA and flags,
+compiler, ISA/oneDNN/Inductor environment, threads), so a cache shared between machines (a home folder, a
+baked container) never hands one CPU's kernels or timings to another. It is used only if this user owns
+it and no one else can write it (created 0700). Files are written atomically (temp file + rename, the temp
+file removed on any failure): a reader never sees half a file, and a cache that cannot be written only
+costs a later run the measurement again. Code (Inductor's generated wrappers) is stored with its sha256
+in the folder's index and loaded only if it matches (`store_artifact`, `load_artifact`).
 
 Tuning (`tuning()`): *when* an unknown case is measured.
 - "online" (the default on CPU): nothing is timed before the first step. The step starts on ATen's
@@ -21,14 +27,20 @@ Tuning (`tuning()`): *when* an unknown case is measured.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
+import platform
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -236,10 +248,101 @@ class TrialImpl:
                     name=impl.name, fallback=impl.fallback, trial=me)
 
 
+# ---- the cache: one folder per machine, used only when private, code loaded only when its hash is known ----
+_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE", "CXX")
+
+
 def cache_dir(kind: str) -> Path:
-    """$KILN_CACHE_DIR/<kind>/torch-<version> (default ~/.cache/kiln/...)."""
+    """$KILN_CACHE_DIR/<kind>/torch-<version>/<machine()> (default ~/.cache/kiln/...), each level created 0700.
+    A cache root or level not owned by this user, or writable by group or others, is not used (one warning):
+    this process then caches in a private temporary folder, removed at exit."""
     root = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
-    return root / kind / f"torch-{torch.__version__}"
+    parts = (kind, f"torch-{torch.__version__}", machine())
+    try:
+        return _private(root, parts)
+    except OSError as exc:
+        if str(root) not in _refused:
+            _refused.add(str(root))
+            log.warning("kiln: not using the compile cache %s (%s); this run caches in a private temporary "
+                        "folder, removed at exit (what to do: use a folder only you can write: chmod 700 it, or "
+                        "set KILN_CACHE_DIR)", root, exc)
+    try:
+        return _private(_scratch(), parts)
+    except OSError:                   # no private folder either: a path nothing can be read from or written to
+        return Path(os.devnull).joinpath(*parts)
+
+
+_refused: set[str] = set()           # cache roots already warned about
+_scratch_dir: list[str] = []         # this process's private cache when the user's is refused
+
+
+def _private(root: Path, parts: tuple[str, ...]) -> Path:
+    """root/parts..., every level from root down created 0700 and checked: ours, written by no one else."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    folder = root
+    for part in ("",) + parts:
+        folder = folder / part if part else folder
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = os.stat(folder)
+        if hasattr(os, "getuid") and st.st_uid != os.getuid():
+            raise PermissionError(f"{folder} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
+        if st.st_mode & 0o022:
+            who = "group and others" if st.st_mode & 0o002 else "its group"
+            raise PermissionError(f"{folder} is writable by {who} (mode {oct(st.st_mode & 0o777)})")
+    return folder
+
+
+def _scratch() -> Path:
+    if not _scratch_dir:
+        _scratch_dir.append(tempfile.mkdtemp(prefix="kiln-cache-"))
+
+        def remove(path=_scratch_dir[0]) -> None:
+            background.stop_all()            # no worker writes into it any more
+            shutil.rmtree(path, ignore_errors=True)
+        atexit.register(remove)
+    return Path(_scratch_dir[0])
+
+
+def machine() -> str:
+    """This machine's folder name: a digest of what cached kernels and timings depend on besides torch's
+    version. The vector ISA ATen dispatches to (`ATEN_CPU_CAPABILITY` lowers it) and the CPU's feature flags
+    (Inductor's generated C++ hard-codes the vector width it picked: run under another ISA it reads garbage),
+    the C++ compiler (path and version), the environment that configures ATen, oneDNN and Inductor
+    (`TORCHINDUCTOR_*`), and the training's thread count (timings). Inductor's whole configuration is
+    also recorded per compiled kernel and compared before it is loaded (`load_artifact(..., facts)`)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    threads = background.training_threads()
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k in _ENV or (k.startswith("TORCHINDUCTOR_") and not k.endswith("_DIR")))
+    cxx = compiler(os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++"))
+    facts = (platform.machine(), cap, _cpu_flags(), cxx, env, threads)
+    return f"{cap.lower()}-{threads}t-{hashlib.sha256(repr(facts).encode()).hexdigest()[:12]}"
+
+
+@functools.cache
+def compiler(name: str) -> str:
+    """The C++ compiler `name` resolves to: its real path and the first line of its `--version`."""
+    path = shutil.which(name)
+    if path is None:
+        return f"{name} (not found)"
+    path = os.path.realpath(path)
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        out = f"unknown version ({type(exc).__name__})"
+    return f"{path} {(out.splitlines() or [''])[0]}"
+
+
+@functools.cache
+def _cpu_flags() -> str:
+    """A digest of the CPU's model and feature flags (what decides which ISAs Inductor may pick)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        text = "\n".join(dict.fromkeys(line for line in lines
+                                       if line.split(":")[0].strip() in ("flags", "Features", "model name")))
+    except OSError:
+        text = platform.processor()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def example(meta) -> torch.Tensor:
@@ -281,15 +384,110 @@ def read_json(path: Path) -> object | None:
         return None
 
 
-def write_atomic(folder: Path, name: str, text: str) -> None:
+def write_atomic(folder: Path, name: str, text: str) -> bool:
+    """Write `text` to folder/name through a temporary file and a rename, so a reader never sees half a file.
+    False (warned, once per folder) when it cannot be written, e.g. on a full disk: the temporary file is
+    removed whatever failed, an interrupt included."""
+    tmp = None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, folder / name)
+        tmp = None
+        return True
     except OSError as exc:
-        log.warning("kiln: cannot write the cache %s (%s)", folder, exc)
+        if str(folder) not in _unwritable:
+            _unwritable.add(str(folder))
+            log.warning("kiln: cannot write the cache %s (%s); what is not cached is compiled or measured again",
+                        folder, exc)
+        return False
+    finally:
+        if tmp is not None:
+            _unlink(tmp)
+
+
+_unwritable: set[str] = set()
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+INDEX = "index.json"      # {artifact name: {"sha256": hex digest, "facts": {...}}}, written only by Kiln
+
+
+def store_artifact(folder: Path, name: str, text: str, facts: dict[str, str]) -> bool:
+    """Cache `text` (code that a later run will execute) as folder/name, its sha256 and `facts` (what it was
+    made for) recorded in the folder's index. The index is rewritten atomically under a lock on the folder
+    (a background worker stores into it too); an artifact whose index entry could not be written is removed."""
+    entry = {"sha256": hashlib.sha256(text.encode()).hexdigest(), "facts": facts}
+    with _locked(folder):
+        if not write_atomic(folder, name, text):
+            return False
+        index = _index(folder)
+        index[name] = entry
+        if write_atomic(folder, INDEX, json.dumps(index, indent=0, sort_keys=True)):
+            return True
+        _unlink(folder / name)
+        return False
+
+
+def load_artifact(folder: Path, name: str, facts: dict[str, str] | None = None) -> str | None:
+    """folder/name's text if the index records exactly its sha256 (and, given `facts`, the same facts), else
+    None: a file Kiln did not write (planted), changed since (tampered, truncated) or made for another
+    configuration is never returned, so never executed (the caller compiles it again). The text returned
+    is the one hashed: run it, never the file again."""
+    try:
+        data = (folder / name).read_bytes()
+    except OSError:
+        return None
+    entry = _index(folder).get(name)
+    if not isinstance(entry, dict) or entry.get("sha256") != hashlib.sha256(data).hexdigest():
+        if (str(folder), name) not in _distrusted:
+            _distrusted.add((str(folder), name))
+            log.warning("kiln: ignoring %s in the cache %s: %s; it is not loaded (compiled again instead)", name,
+                        folder, "not in the cache's index" if not isinstance(entry, dict) else
+                        "its content differs from what Kiln wrote")
+        return None
+    if facts is not None and entry.get("facts") != facts:
+        log.info("kiln: %s in the cache was made for another configuration (%s, here %s); compiled again", name,
+                 entry.get("facts"), facts)
+        return None
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+_distrusted: set[tuple[str, str]] = set()
+
+
+def _index(folder: Path) -> dict:
+    got = read_json(folder / INDEX)
+    return got if isinstance(got, dict) else {}
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on the folder itself (no lock file), where the platform has one."""
+    fd = None
+    try:
+        import fcntl
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        pass
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)          # releases the lock
 
 
 def timed_once(folder: Path, key: str, measure: Callable[[], dict[str, float]]) -> dict[str, float]:

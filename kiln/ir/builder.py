@@ -2,6 +2,17 @@
 
 `b(aten.mm.default, x, w)` appends a node, infers its output shapes/dtypes by running the op on meta
 tensors, and returns its output Value (or a tuple of Values for multi-output ops).
+
+Layouts. The strides in a meta are a *prediction*: meta kernels do not always give the strides the
+device kernel returns (CPU batch norm returns a contiguous output where its meta keeps the input's
+layout; an autograd fallback's gradients have whatever layout autograd made), and a pass that swaps a
+value for one of another layout may leave later metas behind. Kiln never lets correctness rest on a
+prediction: the strides of a value are *exact* only for the step's own tensors (parameters, buffers,
+constants, optimizer state; not the user's inputs, whose strides the program is not keyed on) and views of
+exact values (`layout_known`). `aten.view` needs a layout that allows it, so a view
+of any other value is emitted as `aten.reshape`, which is the same view when the real layout allows it and
+a copy when it does not. Strides are still predicted for the rest (fused regions compile for them and
+check them on their first call).
 """
 from __future__ import annotations
 
@@ -10,8 +21,30 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from kiln.ir.graph import Graph, Node, Phase, TensorMeta, Value, tree_map_values, tree_values
+from kiln.ir.graph import Graph, Node, Phase, Role, TensorMeta, Value, tree_map_values, tree_values
 from kiln.ops import registry
+
+aten = torch.ops.aten
+VIEWS = (aten.view.default, aten._unsafe_view.default)        # need a layout that allows them
+EXACT_ROLES = frozenset({Role.PARAM, Role.FROZEN, Role.BUFFER, Role.CONSTANT, Role.STATE})
+
+
+def layout_known(v: Value) -> bool:
+    """Whether v's strides are exact rather than predicted: a step tensor other than a user input, or a
+    view of one (views compute their strides from their input's the same way on every device). A clone
+    does not count: `remove_noops` drops the clones it predicts to be no-ops."""
+    while v.producer is not None:
+        n = v.producer
+        ins = n.inputs
+        if n.op.kind is not registry.Kind.VIEW or len(ins) != 1:
+            return False
+        v = ins[0]
+    return v.role in EXACT_ROLES
+
+
+def viewable(v: Value) -> bool:
+    """Whether `aten.view` of v to any shape of its numel is certain to work: an exact contiguous layout."""
+    return layout_known(v) and v.meta.as_meta_tensor().is_contiguous()
 
 
 def infer_metas(target: Any, args: tuple, kwargs: dict) -> list[TensorMeta | None]:
@@ -47,8 +80,9 @@ class Builder:
              metas: list | None = None) -> Any:
         if isinstance(target, registry.OpDef):
             op, target = target, target.targets[0]
-        else:
-            op = registry.lookup(target)
+        if target in VIEWS and not layout_known(args[0]):
+            target = aten.reshape.default     # a predicted layout may not allow the view (module docstring)
+        op = registry.lookup(target)
         if metas is None:
             metas = infer_metas(target, args, kwargs)
         hint = name or op.name.split(".")[1]

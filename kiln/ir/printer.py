@@ -95,8 +95,10 @@ def annotate(n: Node) -> str:
         parts.append(n.scope)
     if n.impl is not None and n.impl.dialect.name != "aten":
         parts.append(f"[{n.impl.label}]")
-    if n.op.name.startswith("kiln.fallback"):
-        parts.append("[fallback: autograd]")
+    if n.op.name == "kiln.fallback_forward":
+        parts.append(f"[autograd: {n.args[0]!r}]")     # the op, or the user's Function (`RoundSTE.apply`)
+    elif n.op.name == "kiln.fallback_backward":
+        parts.append("[autograd]")
     return ("  # " + " ".join(parts)) if parts else ""
 
 

@@ -1,5 +1,7 @@
 """Neural-network ops: matmuls, convolution, normalization, pooling, dropout, softmax, losses,
-attention. One block per op; rules call ATen's fused backward kernels wherever they exist."""
+attention. One block per op; rules call ATen's fused backward kernels wherever they exist.
+Complex matmuls multiply by the other operand's conjugate (kiln/ops/spectral.py); the other ops here
+take real tensors only."""
 from __future__ import annotations
 
 import math
@@ -8,6 +10,7 @@ import torch
 
 from kiln.ops.common import arg, reshape, shape
 from kiln.ops.registry import Cast, Kind, OpDef, defop, nondiff, register
+from kiln.ops.spectral import conj, is_complex
 
 aten = torch.ops.aten
 LOW, F32 = Cast.LOWER, Cast.FP32
@@ -27,8 +30,8 @@ def vjp_linear(b, n, g):
     w2 = w if len(shape(w)) == 2 else reshape(b, w, [1, -1])      # a 1-D weight is one output feature
     out_f, in_f = shape(w2)
     g2 = reshape(b, g, [-1, out_f])                               # (tokens, out)
-    gx = reshape(b, b(aten.mm.default, g2, w2), shape(x))          # (tokens, in)
-    x2 = reshape(b, x, [-1, in_f])
+    gx = reshape(b, b(aten.mm.default, g2, conj(b, w2)), shape(x))          # (tokens, in)
+    x2 = reshape(b, conj(b, x), [-1, in_f])
     gw = reshape(b, b(aten.mm.default, b(aten.t.default, g2), x2), shape(w))   # (out, in)
     gb = b(aten.sum.dim_IntList, g2, [0]) if bias is not None else None
     return gx, gw, gb
@@ -41,22 +44,25 @@ def vjp_addmm(b, n, g):
     bias, x, w = n.args
     beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)
     scale = (lambda t, s: t if s == 1 else b(aten.mul.Tensor, t, s))
-    gx = scale(b(aten.mm.default, g, b(aten.t.default, w)), alpha)
-    gw = scale(b(aten.mm.default, b(aten.t.default, x), g), alpha)
+    beta, alpha = conj(b, beta), conj(b, alpha)
+    gx = scale(b(aten.mm.default, g, b(aten.t.default, conj(b, w))), alpha)
+    gw = scale(b(aten.mm.default, b(aten.t.default, conj(b, x)), g), alpha)
     return scale(g, beta), gx, gw
 
 
 defop(aten.addmm.default, vjp_addmm, Kind.MATMUL, LOW, cost=_matmul_flops)
-defop(aten.mm.default, lambda b, n, g: (b(aten.mm.default, g, b(aten.t.default, n.args[1])),
-                                        b(aten.mm.default, b(aten.t.default, n.args[0]), g)),
+defop(aten.mm.default, lambda b, n, g: (b(aten.mm.default, g, b(aten.t.default, conj(b, n.args[1]))),
+                                        b(aten.mm.default, b(aten.t.default, conj(b, n.args[0])), g)),
       Kind.MATMUL, LOW, cost=_matmul_flops)
-defop(aten.bmm.default, lambda b, n, g: (b(aten.bmm.default, g, b(aten.transpose.int, n.args[1], 1, 2)),
-                                         b(aten.bmm.default, b(aten.transpose.int, n.args[0], 1, 2), g)),
+defop(aten.bmm.default, lambda b, n, g: (b(aten.bmm.default, g, b(aten.transpose.int, conj(b, n.args[1]), 1, 2)),
+                                         b(aten.bmm.default, b(aten.transpose.int, conj(b, n.args[0]), 1, 2), g)),
       Kind.MATMUL, LOW, cost=_matmul_flops)
 
 
 def vjp_convolution(b, n, g):
     x, w, bias, stride, padding, dilation, transposed, out_pad, groups = n.args
+    if is_complex(x) or is_complex(w):
+        raise NotImplementedError("a complex convolution (the autograd fallback takes it)")
     mask = [True, True, bias is not None]
     gx, gw, gb = b(aten.convolution_backward.default, g, x, w, shape(bias) if bias is not None else None,
                    stride, padding, dilation, transposed, out_pad, groups, mask)
@@ -156,6 +162,24 @@ def _nll_rule(backward):
 
 defop(aten.nll_loss_forward.default, _nll_rule(aten.nll_loss_backward.default), Kind.LOSS, F32)
 defop(aten.nll_loss2d_forward.default, _nll_rule(aten.nll_loss2d_backward.default), Kind.LOSS, F32)
+
+
+def _difference_loss(backward, extra: tuple = ()):
+    """Losses of input - target (MSE, smooth L1, Huber): ATen's backward kernel gives the input's
+    gradient, the target's is its negative. `extra`: the (name, default) of a last scalar argument."""
+    def rule(b, n, g):
+        x, target = n.args[0], n.args[1]
+        more = [arg(n, 3, name, default) for name, default in extra]
+        gx = b(backward, g, x, target, arg(n, 2, "reduction", 1), *more)
+        return gx, b(aten.neg.default, gx) if hasattr(target, "meta") else None
+    return rule
+
+
+defop(aten.mse_loss.default, _difference_loss(aten.mse_loss_backward.default), Kind.LOSS, F32)
+defop(aten.smooth_l1_loss.default, _difference_loss(aten.smooth_l1_loss_backward.default, (("beta", 1.0),)),
+      Kind.LOSS, F32)
+defop(aten.huber_loss.default, _difference_loss(aten.huber_loss_backward.default, (("delta", 1.0),)),
+      Kind.LOSS, F32)
 
 
 def cross_entropy_backward(grad, log_probs, target, reduction, ignore_index, total_weight):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -138,16 +139,28 @@ def all_ops() -> list[OpDef]:
 
 
 _loaded = False
+_loading: int | None = None          # the thread importing the registrations (they may call back here)
+_load_lock = threading.Lock()
 
 
 def _ensure_loaded() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from kiln.ops import pointwise, views, reductions, nn, indexing  # noqa: F401  (register)
-        from kiln.ops import kernels  # noqa: F401  (kiln.kernels custom ops)
-        from kiln import optim  # noqa: F401  (optimizer update ops)
-        from kiln.autodiff import fallback  # noqa: F401
+    """Import the modules that register, once, safely when several threads compile at the same time."""
+    global _loaded, _loading
+    if _loaded or _loading == threading.get_ident():
+        return
+    with _load_lock:
+        if _loaded:
+            return
+        _loading = threading.get_ident()
+        try:
+            from kiln.ops import pointwise, views, reductions, nn, indexing, spectral  # noqa: F401  (register)
+            from kiln.ops import kernels  # noqa: F401  (kiln.kernels custom ops)
+            from kiln.ops import functions  # noqa: F401  (user torch.autograd.Functions)
+            from kiln import optim  # noqa: F401  (optimizer update ops)
+            from kiln.autodiff import fallback  # noqa: F401
+            _loaded = True
+        finally:
+            _loading = None
 
 
 aten = torch.ops.aten

@@ -1,18 +1,33 @@
-"""Remove no-op views, transposes and casts, and fold view chains. One rule per line."""
+"""Remove no-op views, transposes and casts, and fold view chains. One rule per line.
+
+The pass first re-infers every node's metas (`refresh_metas`): passes that swap a value for one of
+another layout (fusion) leave later metas as they were. Layouts stay predictions (kiln/ir/builder.py), so
+the rules never need a prediction to be right: a clone predicted to copy nothing is dropped, and every
+`aten.view` of a value whose layout is not exact becomes `aten.reshape` (the same view where the real
+layout allows it, else the copy the clone would have made), so no consumer needs the clone's layout.
+"""
 from __future__ import annotations
 
 import torch
 
+from kiln.ir.builder import VIEWS, layout_known, viewable
 from kiln.ir.graph import Graph
 from kiln.ops.common import arg, shape
-from kiln.passes.rewrite import rewrite
+from kiln.passes.rewrite import refresh_metas, rewrite
 
 aten = torch.ops.aten
+RESHAPES = VIEWS + (aten.reshape.default,)
 
 
 def _same_shape(b, n):
+    # view / reshape / expand to the shape it has returns the tensor itself, whatever its strides
     x = n.args[0]
-    return x if shape(x) == shape(n.out) and x.meta.stride == n.out.meta.stride else None
+    return x if shape(x) == shape(n.out) else None
+
+
+def _view_of_predicted_layout(b, n):
+    # view(x) -> reshape(x) where x's layout is a prediction (a captured view, or one a rewrite left behind)
+    return None if layout_known(n.args[0]) else b(aten.reshape.default, *n.args)
 
 
 def _to_copy_noop(b, n):
@@ -35,12 +50,12 @@ def _cast_chain(b, n):
 
 
 def _view_of_view(b, n):
-    # view(view(x)) -> view(x)
+    # reshape(reshape(x)) -> reshape(x), a view when x's exact layout is contiguous
     x = n.args[0]
     p = x.producer
-    if p is not None and p.target in (aten.view.default, aten._unsafe_view.default) and x.meta.stride and \
-            p.args[0].meta.as_meta_tensor().is_contiguous():
-        return b(n.target, p.args[0], n.args[1])
+    if p is not None and p.target in RESHAPES:
+        src = p.args[0]
+        return b(aten.view.default if viewable(src) else aten.reshape.default, src, n.args[1])
     return None
 
 
@@ -82,9 +97,11 @@ NOOP_RULES = {
     aten.permute.default: _identity_permute,
     aten.slice.Tensor: _full_slice,
 }
-NOOP_RULES.update({t: (lambda f: lambda b, n: _same_shape(b, n) or f(b, n))(_view_of_view)
-                   for t in (aten.view.default, aten._unsafe_view.default)})
+NOOP_RULES.update({t: lambda b, n: _same_shape(b, n) or _view_of_view(b, n) or _view_of_predicted_layout(b, n)
+                   for t in VIEWS})
+NOOP_RULES[aten.reshape.default] = lambda b, n: _same_shape(b, n) or _view_of_view(b, n)
 
 
 def remove_noops(graph: Graph) -> int:
+    refresh_metas(graph)
     return rewrite(graph, NOOP_RULES)

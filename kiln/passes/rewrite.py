@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch._ops import OpOverload
 
-from kiln.ir.builder import Builder, infer_metas
+from kiln.ir.builder import VIEWS, Builder, infer_metas
 from kiln.ir.graph import Graph, Value, tree_map_values
 
 aten = torch.ops.aten
@@ -62,6 +62,20 @@ def _one_round(graph: Graph, rules: dict) -> int:
     return changed
 
 
+def refresh_metas(graph: Graph) -> int:
+    """Re-infer every ATen node's output metas from its inputs', in program order: a pass that swapped a
+    value for one of another layout (a fused op's contiguous output for a transposed one) leaves the
+    metas after it describing the old layout. Nodes whose metas cannot be inferred on meta tensors (data-
+    dependent shapes, built with explicit metas) keep theirs. Returns how many nodes changed."""
+    changed = 0
+    for n in graph.nodes:
+        try:
+            changed += _refresh_metas(n)
+        except Exception:  # noqa: BLE001 - not inferable on meta tensors: the metas it was built with stand
+            continue
+    return changed
+
+
 def _refresh_metas(n) -> bool:
     """Re-infer n's output metas after its inputs were replaced. Returns whether any changed."""
     if not isinstance(n.target, OpOverload):
@@ -69,7 +83,7 @@ def _refresh_metas(n) -> bool:
     try:
         metas = infer_metas(n.target, n.args, n.kwargs)
     except RuntimeError:
-        if n.target not in (aten.view.default, aten._unsafe_view.default):
+        if n.target not in VIEWS:
             raise
         # the captured view relied on the strides of the op we replaced; reshape copies when it must
         n.target = aten.reshape.default

@@ -13,6 +13,8 @@ import sys
 import torch
 
 from kiln.errors import KilnError
+from kiln.ops.functions import Call
+from kiln.ops.registry import lookup
 
 
 def compute_dtype(n) -> str:
@@ -57,6 +59,15 @@ def category(n) -> str:
     return "other"
 
 
+def fallback_of(n) -> str:
+    """What a fallback node runs under autograd: the op's name, or the user's autograd.Function."""
+    forward = n if n.op.name == "kiln.fallback_forward" else n.args[0].producer
+    target = forward.args[0]
+    if isinstance(target, Call):
+        return f"autograd.Function {target.name}"
+    return lookup(target).name if isinstance(target, torch._ops.OpOverload) else str(target)
+
+
 def explain(step, file=None, profile: bool = False) -> str:
     if not hasattr(step, "_program"):
         raise KilnError("kiln.explain expects the object returned by kiln.compile")
@@ -68,7 +79,7 @@ def explain(step, file=None, profile: bool = False) -> str:
         out = ", ".join(str(o.meta) for o in n.outputs if o.meta is not None) or "-"
         dialect = n.impl.label if n.impl is not None else "-"
         if n.op.name.startswith("kiln.fallback"):
-            dialect += " (FALLBACK: autograd)"
+            dialect += f" (autograd: {fallback_of(n)})"
         op = n.op.name if n.fused is None else f"{n.op.name} <- {_short(n.fused.ops)}"
         ms = () if seconds is None else (f"{seconds[i] * 1000:.2f}",)
         rows.append((str(i), n.phase.value, op, dialect, compute_dtype(n)) + ms + (out, n.scope))
@@ -80,7 +91,9 @@ def explain(step, file=None, profile: bool = False) -> str:
     lines += [fmt(r) for r in rows]
     by_phase = collections.Counter(n.phase.value for n in g.nodes)
     by_dialect = collections.Counter((n.impl.label if n.impl else "-") for n in g.nodes)
-    fallbacks = [f"{n.op.name} ({n.scope or '<top>'})" for n in g.nodes if n.op.name == "kiln.fallback_forward"]
+    pairs = [n for n in g.nodes if n.op.name == "kiln.fallback_forward"]
+    fallbacks = [f"{fallback_of(n)} ({n.scope or '<top>'})" for n in pairs if not isinstance(n.args[0], Call)]
+    honoured = [f"{fallback_of(n)} ({n.scope or '<top>'})" for n in pairs if isinstance(n.args[0], Call)]
     lines.append("")
     lines.append(f"{len(g.nodes)} ops: " + ", ".join(f"{k} {v}" for k, v in by_phase.items()) +
                  " | dialects: " + ", ".join(f"{k} {v}" for k, v in sorted(by_dialect.items())))
@@ -100,6 +113,8 @@ def explain(step, file=None, profile: bool = False) -> str:
                  ", ".join(f"{name} {sec * 1000:.0f}ms" for name, sec, _ in prog.timings))
     if fallbacks:
         lines.append("gradient fallbacks (no VJP rule; autograd): " + "; ".join(fallbacks))
+    if honoured:
+        lines.append("torch.autograd.Functions (their own backward, under autograd): " + "; ".join(honoured))
     if seconds is not None:
         total = sum(seconds) or 1e-12
         split = collections.Counter()

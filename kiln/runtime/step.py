@@ -125,8 +125,12 @@ class CompiledStep:
 
     # ---- running ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        grad_mode = torch.is_grad_enabled()
         with self._lock:
-            return self._step(args, kwargs)
+            try:
+                return self._step(args, kwargs)
+            finally:                        # an interrupt inside a no_grad block must not leave it off
+                torch.set_grad_enabled(grad_mode)
 
     def _step(self, args, kwargs) -> torch.Tensor:
         self.optimizer.check()              # hyper-parameters set between steps are validated too

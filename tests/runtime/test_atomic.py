@@ -112,6 +112,7 @@ def test_an_interrupt_at_every_line_leaves_all_old_or_all_new(name):
             pass
         finally:
             sys.settrace(None)
+            torch.set_grad_enabled(True)   # an injection inside a grad-mode context manager's exit
         got = _state(model, step)
         if _same(got, old):
             outcomes["old"] += 1
@@ -147,5 +148,6 @@ def test_interrupts_at_random_times_leave_all_old_or_all_new(name):
             pass
         finally:
             timer.cancel()
+            torch.set_grad_enabled(True)
         got = _state(model, step)
         assert _same(got, old) or _same(got, new), f"{name}: a timed interrupt left a half-updated state"

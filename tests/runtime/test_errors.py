@@ -1,6 +1,8 @@
 """Bad input gets a clear error that names the problem and where it is."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -172,3 +174,68 @@ def test_python_scalar_checks_do_not_stop_capture():
     with torch.no_grad():
         for p, q in zip(model.emb.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q - q.grad)
+
+
+@torch.library.custom_op("kilntest::scale_rows", mutates_args=())
+def _scale_rows(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@_scale_rows.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _scale_rows_backward(ctx, g):
+    # a correct gradient in a transposed layout, as some autograd formulas return them
+    return (g * 3).transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+_scale_rows.register_autograd(_scale_rows_backward)
+
+
+def test_fallback_gradients_in_any_layout_reach_later_views():
+    """The autograd fallback's gradients may come in any layout; the rules after it (here a linear over a
+    3-D input, whose gradient is viewed as a matrix) must see the layout they were promised."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 6)
+    ref = copy.deepcopy(lin)
+    x = torch.randn(2, 5, 4)
+    kiln.compile(lin, optimizer=kiln.optim.SGD(lr=1.0), loss_fn=lambda m, x: _scale_rows(m(x)).square().sum())(x)
+    _scale_rows(ref(x)).square().sum().backward()
+    for p, q in zip(lin.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q.detach() - q.grad)
+
+
+class PartlyNoGrad(nn.Module):
+    """What a forward computes under torch.no_grad() (or detaches) carries no gradient; a parameter
+    reached only that way gets none and is not updated (eager's AdamW skips it, weight decay included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.only_detached = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        h = self.lin(x)
+        with torch.no_grad():
+            t = h * self.scale
+        return (h * t).sum() + (x * self.only_detached.detach()).sum()
+
+
+def test_no_grad_blocks_and_detach_stop_gradients():
+    torch.manual_seed(0)
+    model = PartlyNoGrad()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=0.1, weight_decay=0.1))
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    for _ in range(2):
+        step(x)
+        opt.zero_grad()
+        ref(x).backward()
+        opt.step()
+    assert ref.scale.grad is None and ref.only_detached.grad is None
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m: f"{n}: {m}")

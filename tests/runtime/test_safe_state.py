@@ -210,3 +210,11 @@ def test_two_threads_on_one_step_equal_a_serial_order_bit_for_bit():
         done[tid] += 1
     for p, q in zip(model.parameters(), serial_model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_the_guard_tells_huge_finite_gradients_from_non_finite_ones():
+    from kiln.guards import check_finite
+    loss = torch.tensor(1.0)
+    check_finite(loss, [torch.full((4,), 1e20), torch.ones(3)], ("a", "b"), "raise")   # norm overflows: finite
+    with pytest.raises(kiln.NonFiniteError, match="parameter 'b'"):
+        check_finite(loss, [torch.full((4,), 1e20), torch.tensor([1.0, float("-inf")])], ("a", "b"), "raise")
