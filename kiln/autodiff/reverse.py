@@ -18,11 +18,12 @@ aten = torch.ops.aten
 
 
 def requires_grad(graph: Graph, wrt: list[Value]) -> set[Value]:
-    """Values whose gradient can be non-zero: float values computed from `wrt` by differentiable ops."""
+    """Values whose gradient can be non-zero: floating-point and complex values computed from `wrt` by
+    differentiable ops (a complex intermediate, as in FFT mixing or complex RoPE, carries the gradient)."""
     req = set(wrt)
     for n in graph.nodes:
         if n.op.differentiable and any(v in req for v in n.inputs):
-            req.update(o for o in n.outputs if o.is_float)
+            req.update(o for o in n.outputs if o.meta is not None and (o.is_float or o.meta.dtype.is_complex))
     return req
 
 
@@ -44,6 +45,8 @@ def differentiate(graph: Graph, loss: Value, wrt: list[Value], seed: Value | Non
             return
         if list(g.meta.shape) != list(v.meta.shape):
             g = sum_to(b, g, v.meta.shape)            # the input was broadcast
+        if g.meta.dtype.is_complex and not v.meta.dtype.is_complex:
+            g = b(aten.real.default, g)               # a real input of a complex op: the real part
         g = cast(b, g, v.meta.dtype)                  # the op promoted the input's dtype
         grads[v] = g if v not in grads else b(aten.add.Tensor, grads[v], g)
 

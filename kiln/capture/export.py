@@ -99,7 +99,8 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
     stack: list[str] = []
     try:
         with _training_config(model), _module_tracker(model, stack), _quiet_torch_logs(), \
-                functions.honour_autograd_functions(), _capturable_ctc():
+                functions.honour_autograd_functions(), _capturable_ctc(), _no_causal_mask_detection(), \
+                decomps.refuse_packed_sequences():
             ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
         _detach_no_grad_regions(ep)
         ep = ep.run_decompositions(decomps.table())
@@ -153,6 +154,25 @@ def _capturable_ctc():
         yield
     finally:
         F.ctc_loss = original
+
+
+@contextlib.contextmanager
+def _no_causal_mask_detection():
+    """`nn.TransformerEncoder/Decoder` given a mask but no `is_causal` compare the mask's values with a
+    causal one to pick a faster path, which export cannot capture. The flag is only a hint: the mask
+    itself is applied either way, so during capture the comparison is skipped (the hint stays what the
+    user passed)."""
+    from torch.nn.modules import transformer
+    original = transformer._detect_is_causal_mask
+
+    def detect(mask, is_causal=None, size=None):
+        return original(mask, is_causal, size) if mask is None else is_causal is True
+
+    transformer._detect_is_causal_mask = detect
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = original
 
 
 @contextlib.contextmanager
@@ -220,6 +240,18 @@ def _describe_failure(model, stack: list[str], e: Exception) -> str:
             f":\n  {type(e).__name__}: {first}{hint}")
 
 
+def _static(t: torch.Tensor) -> bool:
+    return all(isinstance(d, int) for d in t.shape) and all(isinstance(d, int) for d in t.stride())
+
+
+def _user_line(fx) -> str:
+    """The model's source line an exported node came from (export keeps the stack trace)."""
+    trace = (fx.meta.get("stack_trace") or "").strip().splitlines()
+    lines = [f"{here.strip()}: `{code.strip()}`" for here, code in zip(trace, trace[1:])
+             if here.strip().startswith("File ") and "/torch/" not in here and "/kiln/" not in here]
+    return lines[-1] if lines else "source line unknown"
+
+
 def _dead_scalar_nodes(fx_graph) -> set:
     """Nodes computing Python scalars (`.item()`, comparisons on them) whose only users are export's
     runtime assertions or other such nodes: a model's `assert lengths.max() <= n` leaves these behind.
@@ -273,7 +305,14 @@ def _to_kiln(ep, model) -> tuple[Graph, dict]:
         a, kw = pytree.tree_map(lambda x: env[x.name] if hasattr(x, "op") and hasattr(x, "name") else x,
                                 (fx.args, fx.kwargs))
         vals = fx.meta.get("val")
-        outs_meta = [_meta(v) for v in vals] if isinstance(vals, (tuple, list)) else [_meta(vals)]
+        vlist = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+        if any(isinstance(v, torch.Tensor) and not _static(v) for v in vlist):
+            raise UnsupportedError(
+                f"{registry.lookup(fx.target).name} (in {_scope(fx) or '<top>'}) gives a tensor whose shape depends on "
+                f"tensor values ({_user_line(fx)}): boolean-mask indexing `x[mask]`, nonzero, masked_select, unique "
+                "and the like. Kiln compiles static shapes: keep the shape fixed (torch.where(mask, x, 0), gather "
+                "with a fixed count, or a mask multiplied in), or compute that part in a loss_fn outside the model")
+        outs_meta = [_meta(v) for v in vlist]
         op = registry.lookup(fx.target)
         outs = [Value(g.fresh_name(fx.name), m) for m in outs_meta]
         node = Node(op, fx.target, tuple(a), dict(kw), outs, Phase.FORWARD, _scope(fx))

@@ -26,6 +26,8 @@ def _flash_cpu_ok(n) -> bool:
     if mask is not None and depends_on(mask, {Role.PARAM}):
         return False          # a learned bias in the mask (T5): the fused backward gives it no gradient
     floats = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    if not q.meta.shape[-1] == k.meta.shape[-1] == v.meta.shape[-1]:
+        return False          # the CPU kernel needs one head size (MLA attention has a wider q/k than v)
     return len(q.meta.shape) == 4 and q.meta.dtype in floats and k.meta.dtype == q.meta.dtype
 
 

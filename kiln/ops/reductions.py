@@ -75,6 +75,8 @@ defop((aten.amax.default, aten.amin.default), vjp_amax, R)
 
 def vjp_logsumexp(b, n, g):
     x, dims, keep = n.args[0], n.args[1], arg(n, 2, "keepdim", False)
+    if x.meta.dtype.is_complex:
+        raise NotImplementedError("logsumexp of a complex input (the autograd fallback takes it)")
     p = b(aten.exp.default, b(aten.sub.Tensor, x, _unreduce(b, n.out, x, dims, keep)))
     return (b(aten.mul.Tensor, p, _unreduce(b, g, x, dims, keep)),)
 

@@ -3,14 +3,17 @@ backward kernels exist (layer_norm -> native_layer_norm, cross_entropy -> log_so
 and ops that dialects implement by lowering (attention) are lowered by the chosen dialect."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kiln.dialects import registry as dialects
-from kiln.ir.graph import Graph
+from kiln.ir.graph import Graph, Value
 from kiln.ops.common import arg, reshape, shape
 from kiln.passes.rewrite import rewrite
 
 aten = torch.ops.aten
+log = logging.getLogger("kiln")
 
 
 def _layer_norm(b, n):
@@ -131,8 +134,33 @@ def canonicalize(graph: Graph) -> int:
 
 
 def lower_dialects(graph: Graph, names: tuple[str, ...]) -> int:
-    """Ops that a dialect implements by a graph lowering are lowered by the preferred dialect."""
+    """Ops that a dialect implements by a graph lowering are lowered by the preferred dialect. A lowering
+    whose outputs would not have the node's shapes and dtypes (a kernel whose meta disagrees with the op it
+    stands for, e.g. a fused attention kernel given values of another head size than the queries) is
+    dropped with a warning and the next dialect's is used."""
     def lower(b, n):
-        impl = dialects.select(n, names, "lower")
-        return None if impl is None else impl.lower(b, n)
+        allowed = names
+        while (impl := dialects.select(n, allowed, "lower")) is not None:
+            start = len(b.dest)
+            result = impl.lower(b, n)
+            wrong = _changed_metas(n, result)
+            if not wrong:
+                return result
+            log.warning("kiln: the %s lowering of %s (in %s) gives %s; using the next dialect's",
+                        impl.label, n.op.name, n.scope or "<top>", wrong)
+            del b.dest[start:]
+            allowed = tuple(d for d in allowed if d != impl.dialect.name)
+        return None
     return rewrite(graph, {t: lower for t in dialects.lowered_targets()}, max_rounds=1)
+
+
+def _changed_metas(n, result) -> str:
+    """'' when `result` (a rule's replacement of n's outputs) keeps their shapes and dtypes, else what differs."""
+    if result is None:
+        return ""
+    news = [result] if isinstance(result, Value) else list(result)
+    for old, new in zip(n.outputs, news):
+        if isinstance(new, Value) and old.meta is not None and new.meta is not None and \
+                (old.meta.shape != new.meta.shape or old.meta.dtype != new.meta.dtype):
+            return f"{new.meta} for {old.meta}"
+    return ""

@@ -20,13 +20,18 @@ from kiln.ir.builder import Builder
 from kiln.ir.graph import Fused, Graph, Node, Value, tree_map_values
 from kiln.ir.pattern import Match, match
 from kiln.ops.registry import Kind
+from kiln.passes.rewrite import refresh_metas
 
 log = logging.getLogger("kiln")
 
 
 def fuse(graph: Graph, names: tuple[str, ...], phase: str) -> int:
-    """Apply every enabled fusion of `phase`. Returns how many subgraphs were fused."""
-    return sum(_apply(graph, f) for f in registry.fusions(names, phase))
+    """Apply every enabled fusion of `phase`. Returns how many subgraphs were fused. The metas after a
+    fused op are inferred again (its outputs' layouts may differ from the ops it replaced)."""
+    fused = sum(_apply(graph, f) for f in registry.fusions(names, phase))
+    if fused:
+        refresh_metas(graph)
+    return fused
 
 
 def _apply(graph: Graph, f: registry.Fusion) -> int:

@@ -2,7 +2,8 @@
 
 A rule table maps an op target to `callback(b, node) -> list[Value] | Value | None`. Returning values
 replaces the node's outputs (new nodes emitted through `b` are inserted in its place); None keeps the
-node. Tables compose with `|` and run to a fixed point.
+node. A replacement must have the shape and dtype of the output it replaces (its strides may differ: the
+metas after it are re-inferred). Tables compose with `|` and run to a fixed point.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Callable
 import torch
 from torch._ops import OpOverload
 
+from kiln.errors import KilnError
 from kiln.ir.builder import VIEWS, Builder, infer_metas
 from kiln.ir.graph import Graph, Value, tree_map_values
 
@@ -50,6 +52,10 @@ def _one_round(graph: Graph, rules: dict) -> int:
         results = [result] if isinstance(result, Value) else list(result)
         assert len(results) == len(n.outputs), f"{n.op.name} rewrite gave {len(results)} of {len(n.outputs)} outputs"
         for old, new in zip(n.outputs, results):
+            if new is not None and old.meta is not None and new.meta is not None and \
+                    (new.meta.shape != old.meta.shape or new.meta.dtype != old.meta.dtype):
+                raise KilnError(f"Kiln bug: a rewrite of {n.op.name} (in {n.scope or '<top>'}) gives {new.meta} for "
+                                f"{old.meta}; please report it (KILN_DUMP=1 prints the graph after each pass)")
             if new is not None and new is not old:
                 subst[old] = new
                 if new.meta != old.meta:

@@ -261,8 +261,9 @@ def test_llama_fuses_norms_rope_and_swiglu_and_trains_like_eager():
     assert ("fused: aten:adamw_multi_tensor x1, aten:cross_entropy_backward x1, kiln:rms_norm x5, kiln:rope x2, "
             "kiln:swiglu x2") in \
         step.explain(file=io.StringIO())
-    # the optimizer: every parameter's AdamW update in one multi-tensor kernel, still the last node
-    updates = [n for n in step.graph.nodes if n.phase.value == "optimizer"]
+    # the optimizer: the non-finite guard, then every parameter's AdamW update in one multi-tensor
+    # kernel, still the last node
+    updates = [n for n in step.graph.nodes if n.phase.value == "optimizer" and n.op.name != "kiln.check_finite"]
     assert [n.op.name for n in updates] == ["kiln.adamw_update_multi"] and updates[0] is step.graph.nodes[-1]
     assert len(updates[0].args[0]) == len(list(model.parameters()))
 

@@ -62,7 +62,7 @@ class ChannelNorm(nn.Module):
             h = h.contiguous()                 # export drops it: its fake tensor was already contiguous
         if self.flatten:
             h = h.view(-1, 8)
-        return self.lin(h).square().mean()
+        return self.lin(h).pow(2).mean()
 
 
 @pytest.mark.parametrize("contiguous,flatten", [(False, False), (True, True)],
@@ -82,7 +82,7 @@ class EmbeddingChannelNorm(nn.Module):
     def forward(self, ids):
         b, t = ids.shape
         e = self.emb(ids.reshape(-1)).view(b, t, 8)
-        return self.bn(e.transpose(1, 2)).square().mean()
+        return self.bn(e.transpose(1, 2)).pow(2).mean()
 
 
 def test_a_transposed_gradient_reaching_a_view_trains_like_eager():
@@ -127,12 +127,52 @@ class QKNormAttention(nn.Module):
         k = k * cos + self.rotate_half(k) * sin
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out = out.transpose(1, 2).contiguous().view(b, t, d)
-        return self.o(out).square().mean()
+        return self.o(out).pow(2).mean()
 
 
 def test_attention_output_viewed_after_the_norm_fusion_trains_like_eager():
     step = train_like_eager(QKNormAttention(), torch.randn(2, 6, 16))
     assert any(n.fused is not None and "rms_norm" in n.fused.fusion for n in step.graph.nodes)
+
+
+class LowRankAttention(nn.Module):
+    """MLA-style attention (MiniCPM3, GLM-4 MoE Lite): queries and keys of a no-rope and a rope part
+    (head size 6), values of head size 4 from a low-rank projection. The CPU flash kernel needs one head size
+    for all three, and its meta gives the output the queries' head size."""
+
+    def __init__(self, dim=16, heads=2, nope=4, rope=2, v_dim=4, rank=6):
+        super().__init__()
+        self.heads, self.nope, self.rope, self.v_dim = heads, nope, rope, v_dim
+        self.q = nn.Linear(dim, heads * (nope + rope), bias=False)
+        self.kv_down = nn.Linear(dim, rank + rope, bias=False)
+        self.kv_up = nn.Linear(rank, heads * (nope + v_dim), bias=False)
+        self.o = nn.Linear(heads * v_dim, dim, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, -1).transpose(1, 2)                      # (B, H, T, nope+rope)
+        latent, k_rope = self.kv_down(x).split([self.kv_down.out_features - self.rope, self.rope], -1)
+        kv = self.kv_up(latent).view(b, t, self.heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)                              # v: (B, H, T, v_dim)
+        k = torch.cat([k_nope, k_rope[:, None].expand(b, self.heads, t, self.rope)], -1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)                 # (B, H, T, v_dim)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1)).pow(2).mean()
+
+
+def test_attention_with_values_of_another_head_size_trains_like_eager():
+    step = train_like_eager(LowRankAttention(), torch.randn(2, 5, 16))
+    assert not [n for n in step.graph.nodes if "flash_attention" in n.op.name]     # the math lowering
+    assert not [n for n in step.graph.nodes if n.op.name == "kiln.fallback_forward"]
+
+
+def test_a_rewrite_that_changes_a_shape_is_refused():
+    from kiln.errors import KilnError
+    from kiln.passes.rewrite import rewrite
+    x = torch.randn(4, 6)
+    g, b, (xv,) = graph_with_inputs(x)
+    g.outputs = [b(aten.neg.default, xv)]
+    with pytest.raises(KilnError, match="Kiln bug: a rewrite of aten.neg .* float32\\[24\\] for float32\\[4, 6\\]"):
+        rewrite(g, {aten.neg.default: lambda b, n: b(aten.reshape.default, n.args[0], [24])})
 
 
 # ---- the rule, on graphs -------------------------------------------------------------------------

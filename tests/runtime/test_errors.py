@@ -239,3 +239,20 @@ def test_no_grad_blocks_and_detach_stop_gradients():
     assert ref.scale.grad is None and ref.only_detached.grad is None
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, msg=lambda m: f"{n}: {m}")
+
+
+class MaskedSelect(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, ids):
+        return self.lin(x)[ids == 2].sum()        # a shape that depends on the values of ids
+
+
+def test_value_dependent_shapes_are_refused_naming_op_and_line():
+    with pytest.raises(kiln.UnsupportedError) as e:
+        kiln.compile(MaskedSelect(), optimizer=sgd())(torch.randn(2, 3, 4), torch.tensor([[1, 2, 2], [2, 0, 1]]))
+    msg = str(e.value)
+    assert "aten.index" in msg and "depends on tensor values" in msg and "ids == 2" in msg, msg
+    assert "torch.where" in msg, msg
