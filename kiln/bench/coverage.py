@@ -357,10 +357,13 @@ def cause_key(r: Result) -> str:
     group together; a wrong entry groups by the check that failed."""
     if r.outcome == "wrong":
         return r.why.split(" ")[0] + (" (eager gives none)" if "no gradient" in r.why else "")
-    text = re.sub(r"`[^`]*`", "`.`", r.why)
+    text = re.sub(r"in module `[^`]*`( \([^)]*\))?", "in module M", r.why)     # where: not the cause
+    text = re.sub(r"in \w+\.forward\b", "in X.forward", text)
+    text = re.sub(r"at \S+\.py:\d+", "at F", text)
+    text = re.sub(r"at line \d+ of the generated step: `[^`]*`", "at line N of the generated step", text)
     text = re.sub(r"'[^']*'", "'.'", text)
     text = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", text)
-    return f"{r.exception}: {text[:160]}"
+    return f"{r.exception}: {text[:200]}"
 
 
 def _fmt(x: float | None) -> str:

@@ -19,11 +19,11 @@ import contextvars
 import functools
 import logging
 import os
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from kiln.errors import KilnError
+from kiln.once import Once
 
 log = logging.getLogger("kiln")
 
@@ -291,26 +291,13 @@ def select(node, names: tuple[str, ...], form: str) -> Impl | None:
     return None
 
 
-_loaded = False
-_loading: int | None = None          # the thread importing the registrations (they may call back here)
-_load_lock = threading.Lock()
+def _load() -> None:
+    """Import the modules that register (once: `_ensure_loaded`)."""
+    from kiln.dialects import aten, sdpa  # noqa: F401  (register)
+    from kiln.dialects import kiln_kernels  # noqa: F401  (kiln.kernels custom ops)
+    from kiln.dialects import upcast  # noqa: F401  (low precision on CPUs without it)
+    from kiln.dialects import inductor  # noqa: F401  (fused regions compiled by Inductor)
+    from kiln.dialects import onednn  # noqa: F401  (oneDNN linear where measured faster)
 
 
-def _ensure_loaded() -> None:
-    """Import the modules that register, once, safely when several threads compile at the same time."""
-    global _loaded, _loading
-    if _loaded or _loading == threading.get_ident():
-        return
-    with _load_lock:
-        if _loaded:
-            return
-        _loading = threading.get_ident()
-        try:
-            from kiln.dialects import aten, sdpa  # noqa: F401  (register)
-            from kiln.dialects import kiln_kernels  # noqa: F401  (kiln.kernels custom ops)
-            from kiln.dialects import upcast  # noqa: F401  (low precision on CPUs without it)
-            from kiln.dialects import inductor  # noqa: F401  (fused regions compiled by Inductor)
-            from kiln.dialects import onednn  # noqa: F401  (oneDNN linear where measured faster)
-            _loaded = True
-        finally:
-            _loading = None
+_ensure_loaded = Once(_load)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch._ops import OpOverload
+
+from kiln.once import Once
 
 log = logging.getLogger("kiln")
 
@@ -138,29 +139,16 @@ def all_ops() -> list[OpDef]:
     return list(_BY_NAME.values())
 
 
-_loaded = False
-_loading: int | None = None          # the thread importing the registrations (they may call back here)
-_load_lock = threading.Lock()
+def _load() -> None:
+    """Import the modules that register (once: `_ensure_loaded`)."""
+    from kiln.ops import pointwise, views, reductions, nn, indexing, spectral  # noqa: F401  (register)
+    from kiln.ops import kernels  # noqa: F401  (kiln.kernels custom ops)
+    from kiln.ops import functions  # noqa: F401  (user torch.autograd.Functions)
+    from kiln import optim  # noqa: F401  (optimizer update ops)
+    from kiln.autodiff import fallback  # noqa: F401
 
 
-def _ensure_loaded() -> None:
-    """Import the modules that register, once, safely when several threads compile at the same time."""
-    global _loaded, _loading
-    if _loaded or _loading == threading.get_ident():
-        return
-    with _load_lock:
-        if _loaded:
-            return
-        _loading = threading.get_ident()
-        try:
-            from kiln.ops import pointwise, views, reductions, nn, indexing, spectral  # noqa: F401  (register)
-            from kiln.ops import kernels  # noqa: F401  (kiln.kernels custom ops)
-            from kiln.ops import functions  # noqa: F401  (user torch.autograd.Functions)
-            from kiln import optim  # noqa: F401  (optimizer update ops)
-            from kiln.autodiff import fallback  # noqa: F401
-            _loaded = True
-        finally:
-            _loading = None
+_ensure_loaded = Once(_load)
 
 
 aten = torch.ops.aten

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import kiln
 from kiln.capture import decomps
 from kiln.errors import UnsupportedError
+from tests.models.reference import check_training
 
 VOCAB, EMB, HIDDEN, BATCH, SEQ = 13, 6, 5, 3, 4
 
@@ -52,29 +53,7 @@ def batch():
 
 
 def train_like_eager(model):
-    args = batch()
-    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
-    before = {n: p.detach().clone() for n, p in mine.named_parameters()}
-    step = kiln.compile(mine, optimizer=kiln.optim.SGD(lr=1.0))
-    step(*args)
-    ref(*args).backward()
-    for n, q in ref.named_parameters():
-        torch.testing.assert_close(before[n] - dict(mine.named_parameters())[n].detach(), q.grad,
-                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"gradient of {n}: {m}")
-    fallbacks = [n.args[0] for n in step.graph.nodes if n.op.name == "kiln.fallback_forward"]
-    assert not fallbacks, f"autograd fallbacks: {fallbacks}"
-    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
-    step = kiln.compile(mine, optimizer=kiln.optim.AdamW(lr=1e-2, weight_decay=0.01))
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    for _ in range(3):
-        got = step(*args)
-        opt.zero_grad()
-        want = ref(*args)
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
-    for (n, p), (_, q) in zip(mine.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"parameter {n}: {m}")
+    return check_training(lambda: model, *batch())
 
 
 CASES = {

@@ -11,7 +11,6 @@ their SGD gradients, and every other entry, as tightly as ever.
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -19,75 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kiln
-from kiln.capture import extract_loss
-
-RTOL, ATOL = 1e-4, 1e-5
-
-
-def _eager_loss(model, args, kwargs, loss_fn):
-    return loss_fn(model, *args, **kwargs) if loss_fn else extract_loss(model(*args, **kwargs))
-
-
-def _close(got, want, what: str) -> None:
-    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
-
-
-def _same_state(model, ref, what: str, noise: dict, slack: float) -> None:
-    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        p, q = p.detach(), q.detach()
-        if n in noise:                                      # true gradient 0: Adam steps on rounding noise
-            assert (p - q)[noise[n]].abs().max() <= slack, f"{what}: parameter {n}: beyond lr * steps"
-            p, q = p.masked_fill(noise[n], 0.0), q.masked_fill(noise[n], 0.0)
-        _close(p, q, f"{what}: parameter {n}")
-    for (n, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
-        _close(b, c, f"{what}: buffer {n}")
-
-
-def check_training(make, *args, loss_fn=None, fallbacks: bool = False, steps: int = 3, **kwargs):
-    """Train `make()` with Kiln and eagerly on the same batch; assert they agree (see the module doc).
-    `fallbacks`: whether the step may use the autograd fallback for some op. `steps=0`: the SGD gradient
-    check only (one capture instead of two, for models that take seconds to export)."""
-    torch.manual_seed(0)
-    model = make()
-    model.train()
-
-    # one SGD(lr=1) step: p_before - p_after is the gradient (0 for a parameter the loss ignores)
-    mine, ref = copy.deepcopy(model), copy.deepcopy(model)
-    step = kiln.compile(mine, optimizer=kiln.optim.SGD(lr=1.0), loss_fn=loss_fn)
-    before = {n: p.detach().clone() for n, p in mine.named_parameters()}
-    got = step(*args, **kwargs)
-    want = _eager_loss(ref, args, kwargs, loss_fn)
-    want.backward()
-    _close(got, want.detach(), "loss")
-    noise = {}
-    for (n, p), (_, q) in zip(mine.named_parameters(), ref.named_parameters()):
-        grad = q.grad if q.grad is not None else torch.zeros_like(q)
-        _close(before[n] - p.detach(), grad.detach(), f"gradient of {n} (SGD lr=1 step)")
-        if q.grad is not None and bool((q.grad.abs() < 1e-7).any()):
-            noise[n] = q.grad.abs() < 1e-7
-    for (n, b), (_, c) in zip(mine.named_buffers(), ref.named_buffers()):
-        _close(b, c, f"buffer {n} after the SGD step")
-    if not fallbacks:
-        used = [n.op.name for n in step.graph.nodes if n.op.name == "kiln.fallback_forward"]
-        assert not used, f"the step needed the autograd fallback: {used}"
-
-    if not steps:
-        return
-    # 3 AdamW steps
-    mine, ref = copy.deepcopy(model), copy.deepcopy(model)
-    lr = 1e-2
-    step = kiln.compile(mine, optimizer=kiln.optim.AdamW(lr=lr, weight_decay=0.01), loss_fn=loss_fn)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
-    for i in range(steps):
-        got = step(*args, **kwargs)
-        opt.zero_grad()
-        want = _eager_loss(ref, args, kwargs, loss_fn)
-        want.backward()
-        opt.step()
-        _close(got, want.detach(), f"AdamW step {i}: loss")
-    _same_state(mine, ref, f"after {steps} AdamW steps", noise, slack=2 * lr * steps)
-
+from tests.models.reference import check_training
 
 def _tokens(batch=2, seq=6, vocab=50, seed=1):
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))

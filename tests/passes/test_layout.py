@@ -5,46 +5,23 @@ then 3 kiln.optim.AdamW steps against torch.optim.AdamW); graph-level cases chec
 and `remove_noops` leave, and run the graph against the same computation in eager."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kiln
 from kiln.ir.builder import layout_known
 from kiln.ir.graph import Role, TensorMeta
 from kiln.passes.noops import remove_noops
 from kiln.passes.rewrite import refresh_metas
 from tests.passes.graphs import aten, count, graph_with_inputs, run
+from tests.models.reference import check_training
 
 
 def train_like_eager(model, *args):
     """One SGD(lr=1) step (gradients) and 3 AdamW steps (losses and parameters), Kiln vs eager."""
-    torch.manual_seed(0)
-    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
-    before = {n: p.detach().clone() for n, p in mine.named_parameters()}
-    kiln.compile(mine, optimizer=kiln.optim.SGD(lr=1.0))(*args)
-    ref(*args).backward()
-    for n, p in mine.named_parameters():
-        torch.testing.assert_close(before[n] - p.detach(), dict(ref.named_parameters())[n].grad,
-                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"gradient of {n}: {m}")
-    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
-    step = kiln.compile(mine, optimizer=kiln.optim.AdamW(lr=1e-2, weight_decay=0.01))
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    for _ in range(3):
-        got = step(*args)
-        opt.zero_grad()
-        want = ref(*args)
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
-    for (n, p), (_, q) in zip(mine.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"parameter {n}: {m}")
-    for (n, b), (_, c) in zip(mine.named_buffers(), ref.named_buffers()):
-        torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5, msg=lambda m: f"buffer {n}: {m}")
-    return step
+    return check_training(lambda: model, *args)
 
 
 class ChannelNorm(nn.Module):
