@@ -48,7 +48,14 @@ class _Saved:
         self.inputs, self.outputs = inputs, outputs
 
 
-def fallback_forward(op, template, differentiable, *diff_inputs):
+def _as_promised(t, stride):
+    """`t` in the layout the graph's meta promised (a kernel may return another one than its meta)."""
+    if not isinstance(t, torch.Tensor) or stride is None or tuple(t.stride()) == tuple(stride) or t.numel() <= 1:
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def fallback_forward(op, template, differentiable, *diff_inputs, strides=None):
     """Run `op` under PyTorch's autograd on detached copies of the inputs; return (*outputs, saved).
     `differentiable[i]` says whether output i is floating-point or complex (integer outputs, such as
     topk's indices, carry no gradient). Autograd, unlike torch.func.vjp, runs every op's own backward,
@@ -59,7 +66,9 @@ def fallback_forward(op, template, differentiable, *diff_inputs):
         out = op(*args, **kwargs)
     out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     saved = _Saved(leaves, [o if d else None for o, d in zip(out, differentiable)])
-    return (*(o.detach() if isinstance(o, torch.Tensor) else o for o in out), saved)
+    strides = strides or (None,) * len(out)
+    return (*(_as_promised(o.detach(), st) if isinstance(o, torch.Tensor) else o for o, st in zip(out, strides)),
+            saved)
 
 
 def fallback_backward(saved, *grads):
@@ -104,7 +113,8 @@ def convert(b, node, requires: set[Value], reason: str, chosen: bool = False):
     node.op, node.target = FALLBACK_FORWARD, fallback_forward
     differentiable = tuple(v.meta is not None and (v.meta.dtype.is_floating_point or v.meta.dtype.is_complex)
                            for v in node.outputs)
-    node.args, node.kwargs = (original, template, differentiable, *diff), {}
+    strides = tuple(v.meta.stride if v.meta is not None else None for v in node.outputs)
+    node.args, node.kwargs = (original, template, differentiable, *diff), {"strides": strides}
     outputs = list(node.outputs)
     node.outputs = outputs + [closure]
 
