@@ -18,7 +18,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.ir.graph import Value
 from kiln.ops.registry import Cast, Kind, OpDef, register
-from kiln.transaction import stage
+from kiln.transaction import stage, stage_first
 
 aten = torch.ops.aten
 
@@ -26,7 +26,7 @@ aten = torch.ops.aten
 # ---- update kernels ------------------------------------------------------------------------------
 # Each kernel computes out of place and stages its in-place writes (kiln/transaction.py): the step
 # commits all of them at once after everything else succeeded. Writes that can fail (the fused kernels)
-# are staged before the copies, which cannot.
+# are staged with `stage_first`, so they run before any copy, which cannot fail.
 def _skip(found_inf) -> bool:
     """fp16 overflow: the update is skipped, parameter and state left bit-identical."""
     return found_inf is not None and bool(found_inf.item())
@@ -69,8 +69,8 @@ def adamw_update_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, b
         return
     new_steps = torch._foreach_add(steps, 1)
     grads = [same_layout(g, p) for g, p in zip(grads, params)]
-    stage(torch._fused_adamw_, params, grads, exp_avgs, exp_avg_sqs, [], new_steps, lr=lr, beta1=beta1,
-          beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    stage_first(torch._fused_adamw_, params, grads, exp_avgs, exp_avg_sqs, [], new_steps, lr=lr, beta1=beta1,
+                beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     stage(torch._foreach_copy_, steps, new_steps)
 
 

@@ -26,13 +26,14 @@ _HELD = (signal.SIGINT, signal.SIGTERM)
 
 
 class Transaction:
-    __slots__ = ("writes",)
+    __slots__ = ("fallible", "writes")
 
     def __init__(self):
-        self.writes: list[tuple[Callable, tuple, dict]] = []
+        self.fallible: list[tuple[Callable, tuple, dict]] = []   # kernels that may raise: applied first
+        self.writes: list[tuple[Callable, tuple, dict]] = []     # copies of computed values
 
     def commit(self) -> None:
-        writes, self.writes = self.writes, []
+        writes, self.fallible, self.writes = self.fallible + self.writes, [], []
         with _signals_held():
             done = 0
             try:
@@ -47,11 +48,21 @@ class Transaction:
 
 def stage(fn: Callable, *args: Any, **kwargs: Any) -> None:
     """Apply an in-place write at the running step's commit (at once outside a step)."""
+    _stage(False, fn, args, kwargs)
+
+
+def stage_first(fn: Callable, *args: Any, **kwargs: Any) -> None:
+    """`stage` for a write that may raise (a fused kernel checking its arguments): it runs before all
+    writes staged with `stage`."""
+    _stage(True, fn, args, kwargs)
+
+
+def _stage(fallible: bool, fn, args, kwargs) -> None:
     txn = getattr(_local, "txn", None)
     if txn is None:
         fn(*args, **kwargs)
     else:
-        txn.writes.append((fn, args, kwargs))
+        (txn.fallible if fallible else txn.writes).append((fn, args, kwargs))
 
 
 @contextlib.contextmanager
@@ -64,7 +75,7 @@ def step_transaction():
     try:
         yield txn
     except BaseException:
-        txn.writes = []
+        txn.fallible, txn.writes = [], []
         raise
     finally:
         _local.txn = outer

@@ -7,7 +7,7 @@ import copy
 import torch
 
 from kiln.errors import KilnError
-from kiln.transaction import Transaction
+from kiln.transaction import stage, step_transaction
 
 KEYS = ("optimizer", "hyperparameters", "state")
 
@@ -76,10 +76,10 @@ def load_state_dict(step, sd) -> None:
                       f"{type(step.optimizer).__name__}")
     candidate = checked_optimizer(step.optimizer, sd)
     check_state(step.state, sd["state"])
-    txn = Transaction()                       # every tensor in one commit
     dst = [t for n, slots in step.state.items() for t in slots.values()]
     src = [sd["state"][n][k] for n, slots in step.state.items() for k in slots]
-    txn.writes.append((torch._foreach_copy_, (dst, src), {}))
+    with step_transaction() as txn:           # every tensor in one commit
+        stage(torch._foreach_copy_, dst, src)
     with torch.no_grad():
         txn.commit()
     step.optimizer.__dict__.update(candidate.__dict__)

@@ -169,8 +169,14 @@ class CompiledStep:
                 self.programs.pop(key, None)
                 self.last = None
             raise StepError(describe_failure(prog, e, evicted=not prog.ran)) from e
-        with torch.no_grad():
-            txn.commit()                    # parameters, optimizer state and buffers, all at once
+        try:
+            with torch.no_grad():
+                txn.commit()                # parameters, optimizer state and buffers, all at once
+        except Exception as e:
+            raise StepError(f"applying the step's update failed: {type(e).__name__}: {e}; the fused update "
+                            "kernels run before any other write, so parameters and state are unchanged unless an "
+                            "earlier fused group had already been applied. Check the optimizer's hyper-parameters, "
+                            "or try kiln.compile(..., dialects=['aten'])") from e
         prog.ran = True
         background.start_pending()          # online tuning: compilers start once a step has run
         return loss.detach()

@@ -218,3 +218,26 @@ def test_the_guard_tells_huge_finite_gradients_from_non_finite_ones():
     check_finite(loss, [torch.full((4,), 1e20), torch.ones(3)], ("a", "b"), "raise")   # norm overflows: finite
     with pytest.raises(kiln.NonFiniteError, match="parameter 'b'"):
         check_finite(loss, [torch.full((4,), 1e20), torch.tensor([1.0, float("-inf")])], ("a", "b"), "raise")
+
+
+def test_a_failing_fused_update_after_a_reference_update_changes_nothing(monkeypatch):
+    """A graph with both update kernels (a strided weight takes the reference one, staged first in
+    program order): the fused kernel, which may raise, must run before any copy is written."""
+    torch.manual_seed(0)
+    model = Net()
+    model.a.weight = nn.Parameter((torch.randn(8, 12) * 0.1)[:, ::2])
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-2))
+    step(*_data(0))
+    names = [l for l in step.source().splitlines() if "adamw_update" in l]
+    assert any("adamw_update(" in l for l in names) and any("adamw_update_multi(" in l for l in names), names
+    before = [p.detach().clone() for p in model.parameters()]
+    state, _ = _snapshot(step)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("fused kernel refused its arguments")
+    monkeypatch.setattr(torch, "_fused_adamw_", broken)
+    with pytest.raises(kiln.StepError, match="refused its arguments"):
+        step(*_data(1))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    for n, slots in state.items():
+        assert all(torch.equal(step.state[n][k], t) for k, t in slots.items()), n
