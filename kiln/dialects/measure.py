@@ -347,12 +347,17 @@ def _cpu_flags() -> str:
 
 def example(meta) -> torch.Tensor:
     """A tensor with `meta`'s shape, strides (broadcast zeros included), dtype and device: normal floats,
-    ones otherwise."""
+    ones otherwise. Drawn from a private generator: measuring must never move the user's random stream
+    (a seeded run's dropout masks would differ from eager's)."""
     size = 1 + sum((n - 1) * st for n, st in zip(meta.shape, meta.stride) if n > 0)
     if any(n == 0 for n in meta.shape):
         size = 0
     flat = torch.empty(size, dtype=meta.dtype, device=meta.device)
-    flat = flat.normal_() if meta.dtype.is_floating_point else flat.fill_(1)
+    if meta.dtype.is_floating_point:
+        gen = torch.Generator(device=meta.device).manual_seed(size)
+        flat = flat.normal_(generator=gen)
+    else:
+        flat = flat.fill_(1)
     return flat.as_strided(meta.shape, meta.stride)
 
 

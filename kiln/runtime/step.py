@@ -43,6 +43,13 @@ class Program:
     ran: bool = False             # has run to the end once (a program failing on its first call is evicted)
 
 
+def _rng_untouched():
+    """Restores the CPU (and any initialized CUDA) random state afterwards: work Kiln does on its own behalf
+    (compiling, measuring, profiling) must leave the user's seeded stream where eager would find it."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else [])
+
+
 def _leaf_key(x: Any):
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
@@ -214,10 +221,11 @@ class CompiledStep:
     def _compile_locked(self, args, kwargs, names) -> Program:
         t0 = time.perf_counter()
         args, kwargs = _unalias(args, kwargs)
-        graph, constants = capture(self.model, self.loss_fn, args, kwargs)
-        with measure.use_tuning(self.tuning):
-            ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
-                                       nonfinite=self.nonfinite))
+        with _rng_untouched():              # capture, measurement and trials draw nothing from the user's stream:
+            graph, constants = capture(self.model, self.loss_fn, args, kwargs)     # the step's dropout masks
+            with measure.use_tuning(self.tuning):                                   # are eager's
+                ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
+                                           nonfinite=self.nonfinite))
         source, fn = generate(ctx.graph)
         fetch = [self._fetcher(v, constants) for v in ctx.graph.inputs]
         seconds = time.perf_counter() - t0
@@ -308,17 +316,13 @@ class CompiledStep:
         inputs = [f(leaves, self.optimizer.lr) for f in prog.fetch]
         inputs = [x.detach().clone() if v.role in owned and isinstance(x, torch.Tensor) else x
                   for v, x in zip(prog.graph.inputs, inputs)]
-        rng = torch.get_rng_state()
         runs = []
-        try:
-            with torch.no_grad():
-                for r in range(repeats + 1):
-                    times[:] = [0.0] * n
-                    fn(*inputs)
-                    if r:                      # the first run is a warm-up (allocator, caches)
-                        runs.append(list(times))
-        finally:
-            torch.set_rng_state(rng)
+        with _rng_untouched(), torch.no_grad():
+            for r in range(repeats + 1):
+                times[:] = [0.0] * n
+                fn(*inputs)
+                if r:                          # the first run is a warm-up (allocator, caches)
+                    runs.append(list(times))
         return [sorted(col)[len(col) // 2] for col in zip(*runs)]
 
     # ---- checkpointing ---------------------------------------------------------------------
