@@ -8,6 +8,10 @@ step `linear` of the hidden state, the gates (`sigmoid`, `tanh`, `relu`) and the
 the order ATen's CPU kernels compute them. The sequence is unrolled over its (static) length, so autodiff
 differentiates ordinary ops. Dropout between layers is `torch.dropout`, as in ATen. Packed sequences
 (`aten.lstm.data`, ...) have data-dependent shapes: refused with a message that says what to do.
+
+Composites (`composites(graph, registered)`): an op Kiln has no rule for, which PyTorch itself defines as
+a composite of other ops (einsum, square, ...), is written out as that composite, as eager autograd
+does; only ops with neither a rule nor a composite reach the autograd fallback.
 """
 from __future__ import annotations
 
@@ -126,6 +130,25 @@ def refuse_packed_sequences():
         yield
     finally:
         PackedSequence.__new__ = original
+
+
+def composites(graph: torch.fx.Graph, registered) -> dict:
+    """Table entries for the ops in `graph` that Kiln declares nothing for (`registered(op)` is False) but
+    PyTorch defines as a composite of other ops (a CompositeImplicitAutograd kernel: einsum, square,
+    ...). Eager autograd differentiates exactly that composite, so writing it out gives eager's own
+    gradient, where the opaque autograd fallback would run the op's kernel in another layout."""
+    defaults = None
+    out = {}
+    for n in graph.nodes:
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op in out or registered(op):
+            continue
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+            continue
+        defaults = torch.export.default_decompositions() if defaults is None else defaults
+        if op in defaults:
+            out[op] = defaults[op]
+    return out
 
 
 def table() -> dict:

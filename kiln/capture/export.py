@@ -104,6 +104,11 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
             ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
         _detach_no_grad_regions(ep)
         ep = ep.run_decompositions(decomps.table())
+        for _ in range(3):              # a composite may be written with further composites
+            more = decomps.composites(ep.graph, registry.registered)
+            if not more:
+                break
+            ep = ep.run_decompositions(more)
     except KilnError:
         raise
     except Exception as e:

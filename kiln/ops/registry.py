@@ -73,6 +73,7 @@ class OpDef:
 
 
 _BY_TARGET: dict[Any, OpDef] = {}
+_UNDECLARED: set = set()          # targets `lookup` made an OpDef for on the spot (no module declared them)
 _BY_NAME: dict[str, OpDef] = {}
 
 
@@ -126,7 +127,14 @@ def lookup(target: Any) -> OpDef:
     op = OpDef(_target_name(target), (target,), None, Kind.OPAQUE, Cast.FOLLOW,
                doc="not in Kiln's registry: gradient by the autograd fallback")
     _BY_TARGET[target] = op
+    _UNDECLARED.add(target)
     return op
+
+
+def registered(target: Any) -> bool:
+    """Whether some module of kiln.ops declared `target` (with a rule, or as non-differentiable)."""
+    _ensure_loaded()
+    return target in _BY_TARGET and target not in _UNDECLARED
 
 
 def by_name(name: str) -> OpDef:

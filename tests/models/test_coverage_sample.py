@@ -88,6 +88,22 @@ def test_gradient_check_passes_eager_itself_and_catches_a_3e5_error(llama):
     assert err > coverage.GRAD_RTOL and why.startswith("gradient of")
 
 
+def test_float64_referee_accepts_only_what_is_closer_to_the_true_gradient(llama):
+    """With eager's float64 gradient as referee, a Kiln gradient equal to the float64 one passes even when
+    eager's float32 gradient is 3e-5 off it (xlnet: cancellation in the embedding gradient), and a Kiln
+    gradient 7e-5 off in the other direction (4e-5 further from it than eager) still fails."""
+    model, _, _, (_, grads, _, _, _) = llama
+    g = grads[0]
+    gmax = max(x.abs().max().item() for x in g.values() if x is not None)
+    truth = {n: None if x is None else x.double() for n, x in g.items()}
+    sloppy = {n: None if x is None else x + 3e-5 * gmax for n, x in g.items()}       # eager, imprecise
+    assert coverage.check_grads(model, _sgd_step(model, g), sloppy, 1.0)[1].startswith("gradient of")
+    assert coverage.check_grads(model, _sgd_step(model, g), sloppy, 1.0, truth) == (0.0, "")
+    worse = {n: None if x is None else x - 7e-5 * gmax for n, x in g.items()}    # 4e-5 further than eager
+    err, why = coverage.check_grads(model, _sgd_step(model, worse), sloppy, 1.0, truth)
+    assert err > coverage.GRAD_RTOL and why.startswith("gradient of")
+
+
 def test_parameter_without_eager_gradient_must_not_move(llama):
     model, _, _, (_, grads, _, _, _) = llama
     name = next(iter(grads[0]))

@@ -372,3 +372,27 @@ class NestedGradModes(nn.Module):
 
 def test_enable_grad_inside_no_grad():
     check_training(NestedGradModes, torch.randn(4, 8))
+
+
+class EinsumAttention(nn.Module):
+    """XLNet / CvT style: scores and mixing by einsum, a squared penalty; no Kiln rule for einsum or
+    square, which PyTorch defines as composites: written out at capture, eager's own backward."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, d // self.heads) for f in (self.q, self.k, self.v))
+        scores = torch.einsum("bind,bjnd->bnij", q, k).softmax(-1)
+        out = torch.einsum("bnij,bjnd->bind", scores, v).reshape(b, t, d)
+        return out.square().mean()
+
+
+def test_composites_without_rules_are_written_out_not_fallen_back():
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    step = check_training(EinsumAttention, x, loss_fn=lambda m, x: m(x))
+    names = {n.op.name for n in step.graph.nodes}
+    assert "kiln.fallback_forward" not in names and "aten.einsum" not in names and "aten.bmm" in names
