@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
-from kiln.capture import decomps, functions
+from kiln.capture import aliasing, decomps, functions
 from kiln.errors import CaptureError, KilnError, UnsupportedError
 from kiln.ir.graph import Graph, Node, Phase, Role, TensorMeta, Value
 from kiln.ops import registry
@@ -103,6 +103,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
                 decomps.refuse_packed_sequences():
             ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
         _detach_no_grad_regions(ep)
+        aliasing.own_mutated_detaches(ep, lambda fx: f"in {_scope(fx) or type(model).__name__}, {_user_line(fx)}")
         ep = ep.run_decompositions(decomps.table())
         for _ in range(3):              # a composite may be written with further composites
             more = decomps.composites(ep.graph, registry.registered)

@@ -396,3 +396,38 @@ def test_composites_without_rules_are_written_out_not_fallen_back():
     step = check_training(EinsumAttention, x, loss_fn=lambda m, x: m(x))
     names = {n.op.name for n in step.graph.nodes}
     assert "kiln.fallback_forward" not in names and "aten.einsum" not in names and "aten.bmm" in names
+
+
+class DetachedPositions(nn.Module):
+    """Kosmos-2.5: sinusoidal positions are `.detach()`ed, then a learned segment embedding is added in
+    place; in eager the embedding gets a gradient (functionalization replayed the detach and cut it)."""
+
+    def __init__(self, into_view=False, read_base_later=False):
+        super().__init__()
+        self.segment = nn.Embedding(2, 4)
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("table", torch.randn(16, 4))
+        self.into_view, self.read_base_later = into_view, read_base_later
+
+    def forward(self, ids):
+        base = self.table.index_select(0, ids.view(-1)).view(*ids.shape, 4)
+        pos = base.detach()
+        if self.into_view:
+            pos[:, 0] += self.segment(torch.zeros(ids.shape[0], dtype=torch.long))
+        else:
+            pos += self.segment(torch.zeros(ids.shape[0], 1, dtype=torch.long))
+        out = self.proj(pos).square().mean()
+        return out + base.mean() if self.read_base_later else out
+
+
+@pytest.mark.parametrize("into_view", [False, True])
+def test_in_place_update_of_a_detached_tensor_keeps_its_gradient(into_view):
+    ids = _tokens(vocab=16, shape=(2, 5))
+    check_training(lambda: DetachedPositions(into_view), ids, loss_fn=lambda m, x: m(x))
+
+
+def test_in_place_update_of_a_detached_alias_read_later_is_refused():
+    model = DetachedPositions(read_base_later=True)
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=1.0), loss_fn=lambda m, x: m(x))
+    with pytest.raises(kiln.KilnError, match=r"detach\(\)`ed tensor.*DetachedPositions.*test_wrong_gradients.py"):
+        step(_tokens(vocab=16, shape=(2, 5)))
