@@ -1,4 +1,6 @@
-"""The non-finite guard: a step whose loss or gradients are not finite writes nothing.
+"""Guards: the non-finite check, and the check of value-dependent branches.
+
+A step whose loss or gradients are not finite writes nothing.
 
 `kiln.compile(..., nonfinite="raise")` (the default) adds one node before the optimizer update: it reads
 every gradient once (their 2-norms, one multi-tensor pass; NaN and inf propagate) and the loss,
@@ -6,6 +8,10 @@ and on a non-finite value raises `NonFiniteError` naming the loss or the first p
 not finite. Since updates are only staged until the step commits (kiln/transaction.py), parameters and
 optimizer state are left exactly as they were. "skip" counts and warns instead (the step returns the
 loss); "ignore" adds no check. fp16 training has its own: the loss scaler skips overflowing steps.
+
+A Python branch on tensor values (kiln/capture/branches.py) is decided by the batch that compiled the
+program; a `branch_guard` node re-checks each such decision on every batch and raises `BranchChanged`
+(before any write) when a batch decides otherwise.
 """
 from __future__ import annotations
 
@@ -19,6 +25,12 @@ NONFINITE = ("raise", "skip", "ignore")
 
 class NonFiniteError(KilnError):
     """The loss or a gradient was NaN or infinite; the step wrote nothing."""
+
+
+class BranchChanged(KilnError):
+    """Raised inside a step when the batch would take another value-dependent Python branch than the batch
+    the program was compiled for (kiln/capture/branches.py); nothing was written, the step compiles a
+    variant."""
 
 
 class SkippedStep(KilnError):
@@ -56,6 +68,20 @@ CHECK_FINITE = register(OpDef("kiln.check_finite", (check_finite,), None, Kind.O
                               differentiable=False, side_effects=True, infer=lambda args, kwargs: [],
                               cost=lambda n: float(sum(g.meta.numel for g in n.args[1])),
                               doc="raises (or skips the step) when the loss or a gradient is not finite"))
+
+
+def branch_guard(values: list, decisions: tuple, line: str) -> None:
+    """The value-dependent decisions the program was compiled with still hold for this batch."""
+    read = [v.item() for v in values]
+    if not all(d.check(*read) for d in decisions):
+        raise BranchChanged(f"this batch takes another branch than the one compiled, {line}")
+
+
+BRANCH_GUARD = register(OpDef("kiln.branch_guard", (branch_guard,), None, Kind.OPAQUE, Cast.FOLLOW,
+                              differentiable=False, side_effects=True, infer=lambda args, kwargs: [],
+                              cost=lambda n: 1.0,
+                              doc="a Python branch on tensor values, decided at capture: raises BranchChanged "
+                                  "(the step compiles a variant) when a batch decides it otherwise"))
 
 
 def emit_check(b, loss, grads: list, names: list[str], mode: str) -> None:

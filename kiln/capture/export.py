@@ -15,14 +15,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
-from kiln.capture import aliasing, decomps, functions
+from kiln.capture import aliasing, branches, decomps, functions
 from kiln.errors import CaptureError, KilnError, UnsupportedError
+from kiln.guards import BRANCH_GUARD, branch_guard
 from kiln.ir.graph import Graph, Node, Phase, Role, TensorMeta, Value
 from kiln.ops import registry
 
 # Nodes export leaves for its own runtime checks; they compute nothing.
-_DROP = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_async.msg,
-         torch.ops.aten._assert_scalar.default}
+# (`_assert_scalar`, the assertions over tensor values, become branch guards: kiln/capture/branches.py)
+_DROP = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_async.msg}
 
 
 def extract_loss(out: Any) -> torch.Tensor:
@@ -101,12 +102,12 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
         with _training_config(model), _module_tracker(model, stack), _quiet_torch_logs(), \
                 functions.honour_autograd_functions(), _capturable_ctc(), _no_causal_mask_detection(), \
                 decomps.refuse_packed_sequences():
-            ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
+            ep = _export(wrapper, args, kwargs, stack)
         _detach_no_grad_regions(ep)
         aliasing.own_mutated_detaches(ep, lambda fx: f"in {_scope(fx) or type(model).__name__}, {_user_line(fx)}")
         ep = ep.run_decompositions(decomps.table())
         for _ in range(3):              # a composite may be written with further composites
-            more = decomps.composites(ep.graph, registry.registered)
+            more = decomps.composites(ep.graph, _handled)
             if not more:
                 break
             ep = ep.run_decompositions(more)
@@ -120,6 +121,49 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
             raise cause from None
         raise CaptureError(_describe_failure(model, stack, e)) from e
     return _to_kiln(ep, model)
+
+
+CTC_HINT = ("Hugging Face CTC heads check the labels' values and select targets by a mask; call the model "
+            "without labels and compute the loss in loss_fn=, e.g. `log_probs = model(input_values=x).logits"
+            ".log_softmax(-1).transpose(0, 1)` then `F.ctc_loss(log_probs, labels.clamp_min(0), input_lengths, "
+            "(labels >= 0).sum(-1), blank=model.config.pad_token_id, reduction=model.config.ctc_loss_reduction, "
+            "zero_infinity=model.config.ctc_zero_infinity)` with tensor lengths (docs/model-coverage.md)")
+
+
+def _handled(op) -> bool:
+    """Whether Kiln has something for `op` of its own: a declaration in kiln.ops, or a dialect lowering
+    (scaled_dot_product_attention, ...). Other composites are written out at capture."""
+    from kiln.dialects import registry as dialect_registry
+    return registry.registered(op) or op in dialect_registry.lowered_targets()
+
+
+def _export(wrapper, args, kwargs, stack: list[str]):
+    """torch.export; where it fails on a Python decision on tensor values, again with the example's values
+    deciding (kiln/capture/branches.py). If that fails on values too (a shape that depends on them), the
+    first failure is reported; if the model itself raises on this batch, that error is."""
+    try:
+        return torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
+    except KilnError:
+        raise
+    except Exception as e:
+        if not branches.data_dependent(e):
+            raise
+        first, where = e, list(stack)
+    try:
+        stack.clear()
+        with branches.values_decide():
+            ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
+    except KilnError:
+        raise
+    except Exception as second:
+        if not branches.data_dependent(second):
+            raise                       # what the model itself does with this batch's values (its own raise)
+        stack[:] = where
+        raise first from None
+    if branches.parameter_dependent(ep):
+        stack[:] = where
+        raise first
+    return ep
 
 
 def _detach_no_grad_regions(ep) -> None:
@@ -236,12 +280,7 @@ def _describe_failure(model, stack: list[str], e: Exception) -> str:
         hint = ("\n  hint: Python control flow or .item()/.tolist() on a tensor's value; the forward must "
                 "branch on shapes only (use torch.where / masking instead)")
         if type(model).__name__.endswith("ForCTC"):
-            hint += ("\n  hint: Hugging Face CTC heads check the labels' values and select targets by a mask; "
-                     "call the model without labels and compute the loss in loss_fn=, e.g. `log_probs = "
-                     "model(input_values=x).logits.log_softmax(-1).transpose(0, 1)` then `F.ctc_loss(log_probs, "
-                     "labels.clamp_min(0), input_lengths, (labels >= 0).sum(-1), blank=model.config.pad_token_id, "
-                     "reduction=model.config.ctc_loss_reduction, zero_infinity=model.config.ctc_zero_infinity)` "
-                     "with tensor lengths (docs/model-coverage.md)")
+            hint += "\n  hint: " + CTC_HINT
     return (f"torch.export could not capture the forward, in {path}" + (f" at {frame}" if frame else "") +
             f":\n  {type(e).__name__}: {first}{hint}")
 
@@ -256,19 +295,6 @@ def _user_line(fx) -> str:
     lines = [f"{here.strip()}: `{code.strip()}`" for here, code in zip(trace, trace[1:])
              if here.strip().startswith("File ") and "/torch/" not in here and "/kiln/" not in here]
     return lines[-1] if lines else "source line unknown"
-
-
-def _dead_scalar_nodes(fx_graph) -> set:
-    """Nodes computing Python scalars (`.item()`, comparisons on them) whose only users are export's
-    runtime assertions or other such nodes: a model's `assert lengths.max() <= n` leaves these behind.
-    They compute nothing the training step uses."""
-    dead: set = set()
-    for fx in reversed(list(fx_graph.nodes)):
-        if fx.op != "call_function" or isinstance(fx.meta.get("val"), torch.Tensor):
-            continue
-        if all(u in dead or u.target in _DROP for u in fx.users):
-            dead.add(fx)
-    return dead
 
 
 def _to_kiln(ep, model) -> tuple[Graph, dict]:
@@ -297,9 +323,16 @@ def _to_kiln(ep, model) -> tuple[Graph, dict]:
         else:
             raise UnsupportedError(f"unsupported graph input kind {spec.kind} ({spec.target})")
 
-    dead = _dead_scalar_nodes(ep.graph)
+    guarded, consumed, unguardable = branches.decisions(ep.graph, lambda fx: f"in {_scope(fx) or type(model).__name__}, "
+                                                                f"{_user_line(fx)}")
     for fx in ep.graph.nodes:
-        if fx.op != "call_function" or fx.target in _DROP or fx in dead:
+        if fx in guarded:
+            reads = [env[r.args[0].name] for r in guarded[fx][0].reads]
+            node = Node(BRANCH_GUARD, branch_guard, (reads, tuple(guarded[fx]), guarded[fx][0].line), {}, [],
+                        Phase.FORWARD, _scope(fx))
+            g.nodes.append(node)
+            continue
+        if fx.op != "call_function" or fx.target in _DROP or fx in consumed:
             continue
         if fx.target is operator.getitem:
             src, i = fx.args
@@ -313,6 +346,9 @@ def _to_kiln(ep, model) -> tuple[Graph, dict]:
         vals = fx.meta.get("val")
         vlist = list(vals) if isinstance(vals, (tuple, list)) else [vals]
         if any(isinstance(v, torch.Tensor) and not _static(v) for v in vlist):
+            if type(model).__name__.endswith("ForCTC"):
+                raise UnsupportedError(f"{CTC_HINT[0].upper()}{CTC_HINT[1:]}; here {registry.lookup(fx.target).name} "
+                                       f"gives a tensor whose shape depends on the labels ({_user_line(fx)})")
             raise UnsupportedError(
                 f"{registry.lookup(fx.target).name} (in {_scope(fx) or '<top>'}) gives a tensor whose shape depends on "
                 f"tensor values ({_user_line(fx)}): boolean-mask indexing `x[mask]`, nonzero, masked_select, unique "
@@ -327,6 +363,8 @@ def _to_kiln(ep, model) -> tuple[Graph, dict]:
         g.nodes.append(node)
         env[fx.name] = outs if isinstance(vals, (tuple, list)) else outs[0]
 
+    if unguardable:
+        raise unguardable[0]
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     results = out_node.args[0]
     loss = None

@@ -103,6 +103,7 @@ def _register_optimizer_kernels() -> None:
     kernel(ATEN, optim.loss_scale_update, optim.loss_scale_update, name="amp")
     from kiln import guards
     kernel(ATEN, guards.check_finite, guards.check_finite, name="guard")
+    kernel(ATEN, guards.branch_guard, guards.branch_guard, name="branch_guard")
 
 
 _register_optimizer_kernels()

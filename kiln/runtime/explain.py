@@ -115,6 +115,11 @@ def explain(step, file=None, profile: bool = False) -> str:
         lines.append("gradient fallbacks (no VJP rule; autograd): " + "; ".join(fallbacks))
     if honoured:
         lines.append("torch.autograd.Functions (their own backward, under autograd): " + "; ".join(honoured))
+    branches = list(dict.fromkeys(n.args[2] for n in g.nodes if n.op.name == "kiln.branch_guard"))
+    if branches:
+        variants = len(step.programs)
+        lines.append(f"value-dependent branches, decided by the batch that compiled this program and checked on "
+                     f"every batch ({variants} program(s) compiled in all): " + "; ".join(branches))
     if seconds is not None:
         total = sum(seconds) or 1e-12
         split = collections.Counter()

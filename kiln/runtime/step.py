@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ from kiln.capture import capture
 from kiln.dialects import background, measure
 from kiln.dialects import registry as dialect_registry
 from kiln.errors import InputError, KilnError, StepError
-from kiln.guards import NONFINITE, SkippedStep
+from kiln.guards import NONFINITE, BranchChanged, SkippedStep
 from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
@@ -147,35 +148,49 @@ class CompiledStep:
         names = self.dialects or dialect_registry.enabled()
         # hyper-parameters other than lr are baked into the generated code: changing one recompiles
         hyper = tuple((k, v) for k, v in sorted(self.optimizer.hyperparameters().items()) if k != "lr")
-        key = (str(spec), tuple(_leaf_key(x) for x in leaves), self.model.training, names, hyper)
-        prog = self.programs.get(key)
-        if prog is None:
-            if len(self.programs) >= self.max_programs:
-                raise InputError(
-                    f"kiln has compiled {len(self.programs)} programs for {type(self.model).__name__} (max_programs="
-                    f"{self.max_programs}); every new input shape/dtype compiles another. Pad or bucket inputs to a few "
-                    "fixed shapes, or pass a larger max_programs= to kiln.compile")
-            prog = self._compile(args, kwargs, names)
-            self.programs[key] = prog
-        self.last = prog
-        self._last_leaves = leaves          # kiln.explain(step, profile=True) replays this batch
-        lr = self.optimizer.lr
-        inputs = [f(leaves, lr) for f in prog.fetch]
-        try:
-            with torch.no_grad(), step_transaction() as txn:
-                loss = prog.fn(*inputs)
-        except SkippedStep as e:           # nonfinite="skip": nothing was written
-            self.skipped_steps += 1
-            log.warning("kiln: step skipped (%d so far): %s", self.skipped_steps, e)
-            prog.ran = True
-            return e.loss
-        except KilnError:
-            raise
-        except Exception as e:
-            if not prog.ran:                # a program that never ran to the end does not keep its slot
-                self.programs.pop(key, None)
-                self.last = None
-            raise StepError(describe_failure(prog, e, evicted=not prog.ran)) from e
+        base = (str(spec), tuple(_leaf_key(x) for x in leaves), self.model.training, names, hyper)
+        # variants: programs for the same shapes whose Python branches on tensor values went another way
+        for variant in itertools.count():
+            key = base + (variant,)
+            prog = self.programs.get(key)
+            fresh = prog is None
+            if fresh:
+                if len(self.programs) >= self.max_programs:
+                    raise InputError(
+                        f"kiln has compiled {len(self.programs)} programs for {type(self.model).__name__} (max_programs="
+                        f"{self.max_programs}); every new input shape/dtype (or value-dependent branch) compiles another. "
+                        "Pad or bucket inputs to a few fixed shapes, or pass a larger max_programs= to kiln.compile")
+                prog = self._compile(args, kwargs, names)
+                self.programs[key] = prog
+            self.last = prog
+            self._last_leaves = leaves      # kiln.explain(step, profile=True) replays this batch
+            lr = self.optimizer.lr
+            inputs = [f(leaves, lr) for f in prog.fetch]
+            try:
+                with torch.no_grad(), step_transaction() as txn:
+                    loss = prog.fn(*inputs)
+                break
+            except BranchChanged as e:      # nothing was written; try (or compile) the next variant
+                if fresh:
+                    self.programs.pop(key, None)
+                    self.last = None
+                    raise StepError(f"the program compiled for this very batch rejects it ({e}): the forward "
+                                    "decides a Python branch differently on the same values (random numbers in "
+                                    "the condition?); make the branch deterministic, or move it out of the "
+                                    "model") from e
+                log.info("kiln: %s; using (or compiling) variant %d", e, variant + 1)
+            except SkippedStep as e:       # nonfinite="skip": nothing was written
+                self.skipped_steps += 1
+                log.warning("kiln: step skipped (%d so far): %s", self.skipped_steps, e)
+                prog.ran = True
+                return e.loss
+            except KilnError:
+                raise
+            except Exception as e:
+                if not prog.ran:            # a program that never ran to the end does not keep its slot
+                    self.programs.pop(key, None)
+                    self.last = None
+                raise StepError(describe_failure(prog, e, evicted=not prog.ran)) from e
         try:
             with torch.no_grad():
                 txn.commit()                # parameters, optimizer state and buffers, all at once
