@@ -72,8 +72,7 @@ CHECK_FINITE = register(OpDef("kiln.check_finite", (check_finite,), None, Kind.O
 
 def branch_guard(values: list, decisions: tuple, line: str) -> None:
     """The value-dependent decisions the program was compiled with still hold for this batch."""
-    read = [v.item() for v in values]
-    if not all(d.check(*read) for d in decisions):
+    if not all(d.check(*values) for d in decisions):
         raise BranchChanged(f"this batch takes another branch than the one compiled, {line}")
 
 

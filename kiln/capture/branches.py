@@ -7,8 +7,9 @@ capture exports again with real-tensor propagation (`values_decide()`): the exam
 each such branch, and torch.export records every decision it took that way as a runtime assertion
 (`aten._assert_scalar` over the `.item()`s it read).
 
-`guards(graph)` turns each assertion into a `kiln.branch_guard` node: the tensors whose values were read
-and a check that recomputes the decision from them. The step runs it where the forward read them; a batch
+`decisions(graph)` turns each group of assertions into a `kiln.branch_guard` node: the step's tensors the
+decision read and a check that recomputes it from them (with the nodes computed only for it: `.max()`,
+comparisons, `.item()`, even a `unique_consecutive` whose size is compared). The step runs it where the forward read them; a batch
 that would take another branch raises `BranchChanged` before anything is written, and the step compiles
 a variant for that batch (kiln/runtime/step.py). Shapes that depend on values (`x[mask]`) stay refused,
 and so do decisions on parameters' values (`parameter_dependent`: real-tensor propagation misreads them).
@@ -24,7 +25,6 @@ from kiln.errors import UnsupportedError
 
 aten = torch.ops.aten
 
-_READS = {aten.item.default, aten._local_scalar_dense.default}     # tensor -> Python scalar
 _ASSERT = aten._assert_scalar.default
 
 
@@ -61,11 +61,37 @@ def parameter_dependent(ep) -> bool:
     return False
 
 
-class Decision:
-    """One recorded decision: `check(*values)` recomputes it from the Python scalars read from
-    `reads` (FX nodes of `.item()`), through the FX scalar nodes between them and the assertion."""
+def guard_only(fx_graph) -> set:
+    """FX nodes computed only for the recorded decisions: every user is one of them or an assertion
+    (`labels.max() >= n`, `unique_consecutive(...).numel()`, the `.item()`s). The guard recomputes them;
+    the training step never does. In-place and random ops are never among them."""
+    only: set = set()
+    for n in reversed(list(fx_graph.nodes)):
+        if n.op != "call_function" or not n.users:
+            continue
+        s = _schema(n)
+        if s is not None and (s.is_mutable or n.target in _RANDOM):
+            continue
+        if all(u in only or (u.op == "call_function" and u.target is _ASSERT) for u in n.users):
+            only.add(n)
+    return only
 
-    def __init__(self, assertion, line: str):
+
+def _schema(n):
+    return n.target._schema if isinstance(n.target, torch._ops.OpOverload) else None
+
+
+_RANDOM = {aten.rand.default, aten.randn.default, aten.bernoulli.default, aten.bernoulli.p, aten.dropout.default,
+           aten.native_dropout.default, aten.randint.low, aten.randint.default, aten.normal.Tensor_float,
+           aten.multinomial.default, aten.randperm.default, aten.rand_like.default, aten.randn_like.default}
+
+
+class Decision:
+    """One recorded decision: `check(*tensors)` recomputes it from the tensors of the training step it
+    read (`reads`: inputs, or values the step computes anyway), through the nodes computed only for
+    decisions (`steps`, run eagerly: reductions, comparisons, `.item()`, Python scalar ops)."""
+
+    def __init__(self, assertion, only: set, line: str):
         self.reads: list = []
         self.steps: list = []
         self.line = line
@@ -76,19 +102,21 @@ class Decision:
             if not hasattr(n, "op") or n in seen:
                 return
             seen.add(n)
-            if n.op == "call_function" and n.target in _READS:
-                self.reads.append(n)
+            if n in only:
+                for a in n.all_input_nodes:
+                    visit(a)
+                self.steps.append(n)
                 return
-            if n.op != "call_function" or isinstance(n.meta.get("val"), torch.Tensor):
-                raise UnsupportedError(f"a decision on tensor values ({line}) reads {n.op} {n.target}, which Kiln "
-                                       "cannot check at run time; branch on shapes, or use torch.where")
-            for a in n.all_input_nodes:
-                visit(a)
-            self.steps.append(n)
+            val = n.meta.get("val")
+            if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+                raise UnsupportedError(f"a decision on tensor values ({line}) reads {n.op} {n.target}, which the "
+                                       "training step also computes and Kiln cannot check at run time; branch on "
+                                       "shapes, or use torch.where")
+            self.reads.append(n)
         visit(self._cond)
 
-    def check(self, *values) -> bool:
-        env: dict[Any, Any] = dict(zip(self.reads, values))
+    def check(self, *tensors) -> bool:
+        env: dict[Any, Any] = dict(zip(self.reads, tensors))
         for n in self.steps:
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
             env[n] = n.target(*args, **kwargs)
@@ -98,20 +126,21 @@ class Decision:
 
 
 def decisions(fx_graph, line_of: Callable[[Any], str]) -> tuple[dict, set, list]:
-    """({first assertion node of a group: [Decision, ...]}, FX nodes the guards consume, [errors]).
-    Assertions over the same `.item()` reads form one group (one guard node, the values read once); the
-    capture skips the consumed scalar nodes and the other assertions of each group. An assertion over
-    something other than values read by `.item()` (the size of a `x[mask]`) cannot be a guard: its error
-    is returned, for the capture to raise unless it refuses that value-dependent shape first."""
+    """({first assertion node of a group: [Decision, ...]}, FX nodes the guards compute, [errors]).
+    Assertions over the same reads form one group (one guard node); the capture skips the nodes computed
+    only for decisions and the other assertions of each group. An assertion over something the step
+    computes with a shape set by values (`x[mask]` used by the loss) cannot be a guard: its error is
+    returned, for the capture to raise unless it refuses that value-dependent shape first."""
     groups: dict[tuple, list] = {}
     first: dict[tuple, Any] = {}
     used: set = set()
     errors: list = []
+    only = guard_only(fx_graph)
     for n in fx_graph.nodes:
         if n.op == "call_function" and n.target is _ASSERT:
             used.add(n)
             try:
-                d = Decision(n, line_of(n))
+                d = Decision(n, only, line_of(n))
             except UnsupportedError as e:
                 errors.append(e)
                 continue
@@ -119,5 +148,4 @@ def decisions(fx_graph, line_of: Callable[[Any], str]) -> tuple[dict, set, list]
             groups.setdefault(key, []).append(d)
             first.setdefault(key, n)
             used.update(d.steps)
-            used.update(d.reads)
     return {first[k]: ds for k, ds in groups.items()}, used, errors

@@ -327,7 +327,7 @@ def _to_kiln(ep, model) -> tuple[Graph, dict]:
                                                                 f"{_user_line(fx)}")
     for fx in ep.graph.nodes:
         if fx in guarded:
-            reads = [env[r.args[0].name] for r in guarded[fx][0].reads]
+            reads = [env[r.name] for r in guarded[fx][0].reads]
             node = Node(BRANCH_GUARD, branch_guard, (reads, tuple(guarded[fx]), guarded[fx][0].line), {}, [],
                         Phase.FORWARD, _scope(fx))
             g.nodes.append(node)

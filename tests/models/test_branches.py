@@ -92,3 +92,34 @@ def test_shapes_that_depend_on_values_stay_refused():
     step = kiln.compile(Masked(), optimizer=kiln.optim.SGD(lr=0.1), loss_fn=lambda m, *a: m(*a))
     with pytest.raises(kiln.KilnError, match=r"shape depends on tensor values.*x\[keep\]"):
         step(torch.randn(5, 4), torch.tensor([True, False, True, True, False]))
+
+
+class EosCheck(nn.Module):
+    """BART's sequence-classification check: a value-dependent *shape* (`unique_consecutive`) computed only
+    to decide a branch is recomputed by the guard; the training step never holds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, eos):
+        if len(torch.unique_consecutive(eos.sum(1))) > 1:
+            raise ValueError("All examples must have the same number of <eos> tokens.")
+        return self.lin(x).square().mean()
+
+
+def test_a_value_dependent_shape_used_only_by_a_decision_is_checked_not_refused():
+    torch.manual_seed(0)
+    model = EosCheck()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    same = torch.tensor([[0, 1, 0], [1, 0, 0], [0, 0, 1]])
+    step = _compiled(model)
+    got = step(x, same)
+    want = ref(x, same)
+    want.backward()
+    torch.testing.assert_close(got, want.detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q.detach() - 0.1 * q.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(kiln.KilnError, match="same number of <eos> tokens"):
+        step(x, torch.tensor([[0, 1, 1], [1, 0, 0], [0, 0, 1]]))
