@@ -263,10 +263,19 @@ def _user_frame(e: BaseException) -> str:
     import traceback
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
-    if not frames:
+    if frames:
+        f = frames[-1]
+        return f"{f.filename}:{f.lineno}" + (f": `{f.line.strip()}`" if f.line else "")
+    # an error raised while export re-traces an op carries the model's frames in its text only
+    import re
+    lines = str(e).splitlines()
+    found = [(m.group(1), m.group(2), lines[i + 1].strip() if i + 1 < len(lines) else "")
+             for i, line in enumerate(lines) if (m := re.match(r'\s*File "([^"]+)", line (\d+)', line))
+             and not m.group(1).startswith(skip)]
+    if not found:
         return ""
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno}" + (f": `{f.line.strip()}`" if f.line else "")
+    file, line, code = found[-1]
+    return f"{file}:{line}" + (f": `{code}`" if code else "")
 
 
 def _describe_failure(model, stack: list[str], e: Exception) -> str:

@@ -256,3 +256,12 @@ def test_value_dependent_shapes_are_refused_naming_op_and_line():
     msg = str(e.value)
     assert "aten.index" in msg and "depends on tensor values" in msg and "ids == 2" in msg, msg
     assert "torch.where" in msg, msg
+
+
+def test_capture_failure_names_the_model_line_from_the_error_text():
+    """An error raised while export re-traces an op (granite_speech's loss over a masked selection) has
+    no model frame in its traceback, only in its text: the message still names the model's line."""
+    from kiln.capture.export import _user_frame
+    e = RuntimeError('Could not guard\nOriginal traceback:\n  File "/models/granite.py", line 571, in forward\n'
+                     '    loss = loss_fct(\n  File "' + torch.__file__ + '", line 9, in f\n    x = 1\n')
+    assert _user_frame(e) == "/models/granite.py:571: `loss = loss_fct(`"
