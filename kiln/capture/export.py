@@ -306,6 +306,13 @@ def _user_line(fx) -> str:
     return lines[-1] if lines else "source line unknown"
 
 
+class _FromValues:
+    """A Python number the forward read from tensor values (`.item()` and arithmetic on it)."""
+
+    def __init__(self, fx):
+        self.fx = fx
+
+
 def _to_kiln(ep, model) -> tuple[Graph, dict]:
     g = Graph()
     sig = ep.graph_signature
@@ -347,12 +354,15 @@ def _to_kiln(ep, model) -> tuple[Graph, dict]:
             src, i = fx.args
             env[fx.name] = env[src.name][i]
             continue
+        vals = fx.meta.get("val")
+        if isinstance(vals, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            env[fx.name] = _FromValues(fx)  # a Python number read from tensor values: refused where an op uses it
+            continue
         if not isinstance(fx.target, torch._ops.OpOverload):
             raise UnsupportedError(f"captured a call to {fx.target} (in {_scope(fx) or '<top>'}); Kiln handles "
                                    "ATen ops only (data-dependent Python on tensor values is not supported)")
         a, kw = pytree.tree_map(lambda x: env[x.name] if hasattr(x, "op") and hasattr(x, "name") else x,
                                 (fx.args, fx.kwargs))
-        vals = fx.meta.get("val")
         vlist = list(vals) if isinstance(vals, (tuple, list)) else [vals]
         if any(isinstance(v, torch.Tensor) and not _static(v) for v in vlist):
             if type(model).__name__.endswith("ForCTC"):
@@ -363,6 +373,12 @@ def _to_kiln(ep, model) -> tuple[Graph, dict]:
                 f"tensor values ({_user_line(fx)}): boolean-mask indexing `x[mask]`, nonzero, masked_select, unique "
                 "and the like. Kiln compiles static shapes: keep the shape fixed (torch.where(mask, x, 0), gather "
                 "with a fixed count, or a mask multiplied in), or compute that part in a loss_fn outside the model")
+        number = next((x for x in pytree.tree_leaves((a, kw)) if isinstance(x, _FromValues)), None)
+        if number is not None:
+            raise UnsupportedError(
+                f"{registry.lookup(fx.target).name} (in {_scope(fx) or '<top>'}) takes a Python number computed from "
+                f"tensor values ({_user_line(number.fx)}); Kiln compiles the step for every batch's values: keep it "
+                "a tensor (`x * t` rather than `x * t.item()`), or compute it outside the model")
         outs_meta = [_meta(v) for v in vlist]
         op = registry.lookup(fx.target)
         outs = [Value(g.fresh_name(fx.name), m) for m in outs_meta]

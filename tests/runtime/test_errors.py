@@ -265,3 +265,18 @@ def test_capture_failure_names_the_model_line_from_the_error_text():
     e = RuntimeError('Could not guard\nOriginal traceback:\n  File "/models/granite.py", line 571, in forward\n'
                      '    loss = loss_fct(\n  File "' + torch.__file__ + '", line 9, in f\n    x = 1\n')
     assert _user_frame(e) == "/models/granite.py:571: `loss = loss_fct(`"
+
+
+def test_a_python_number_read_from_tensor_values_is_refused_with_its_line():
+    """`x * n.max().item()` used to fail with a raw AttributeError deep in the passes."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, n):
+            return (self.lin(x) * n.max().item()).sum()
+
+    step = kiln.compile(Scaled(), optimizer=sgd(), loss_fn=lambda m, *a: m(*a))
+    with pytest.raises(kiln.UnsupportedError, match=r"aten.mul.Tensor .* Python number .*test_errors.py.*item\(\)"):
+        step(torch.randn(2, 4), torch.tensor([3, 4]))
