@@ -367,7 +367,8 @@ def _to_kiln(ep, model) -> tuple[Graph, dict]:
         if any(isinstance(v, torch.Tensor) and not _static(v) for v in vlist):
             if type(model).__name__.endswith("ForCTC"):
                 raise UnsupportedError(f"{CTC_HINT[0].upper()}{CTC_HINT[1:]}; here {registry.lookup(fx.target).name} "
-                                       f"gives a tensor whose shape depends on the labels ({_user_line(fx)})")
+                                       f"(in {_scope(fx) or type(model).__name__}) gives a tensor whose shape "
+                                       f"depends on the labels ({_user_line(fx)})")
             raise UnsupportedError(
                 f"{registry.lookup(fx.target).name} (in {_scope(fx) or '<top>'}) gives a tensor whose shape depends on "
                 f"tensor values ({_user_line(fx)}): boolean-mask indexing `x[mask]`, nonzero, masked_select, unique "
