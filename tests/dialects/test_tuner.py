@@ -13,7 +13,7 @@ import torch
 
 import kiln
 from kiln.capture import capture
-from kiln.dialects import measure, tuning
+from kiln.dialects import measure, registry, tuning
 from kiln.errors import KilnError
 from kiln.passes.pipeline import Context, run_pipeline
 from tests.dialects.test_cache_safety import Net, _alive, _data, _gone_within, _leftovers, _loss
@@ -149,3 +149,21 @@ def test_a_stopped_tuner_settles_what_its_worker_left_open(monkeypatch, tmp_path
     tuner.close()
     tuner.close()
     assert tuner.closed and json.dumps(tuner.pending([])) == "[]"
+
+
+def test_a_kernel_failing_at_run_time_falls_back_for_its_own_step_only(caplog):
+    calls = []
+
+    def broken(x, y):
+        calls.append(1)
+        raise RuntimeError("no kernel here")
+    registry.check_names(["kiln"])                                          # (the dialects registered)
+    impl = registry.Impl(registry.DIALECTS["kiln"], aten.add.Tensor, kernel=broken, name="broken_add")
+    a, b = tuning.Tuner(), tuning.Tuner()
+    assert a._own(impl) is a._own(impl) and a._own(impl) is not b._own(impl)
+    x = torch.ones(2)
+    for _ in range(2):
+        torch.testing.assert_close(a._own(impl).runnable(x, x), x + x)     # ATen's kernel from the first failure
+    assert calls == [1]
+    torch.testing.assert_close(b._own(impl).runnable(x, x), x + x)         # the other step tries its own
+    assert calls == [1, 1]
