@@ -251,6 +251,10 @@ class _Board:
         tuner = self._tuner()
         return tuner is not None and tuner.stepped
 
+    def busy(self) -> bool:
+        """Whether a trial should wait for a compiler (`tuning.busy`)."""
+        return tuning.busy(self._tuner())
+
     def stop(self) -> None:
         """The tuner stopped: every region still open keeps its ATen ops (not cached: nothing was decided)."""
         for online in list(self.onlines.values()):
@@ -295,7 +299,7 @@ class _Online:
         self.state = "compiling in the background" if worker is not None else "measuring"
         self.kernel = None
         self.first: list[float] = []          # ms of each call in the first step (before the worker starts)
-        self.trial = measure.Trial(("aten_ms", "compiled_ms"), self._measured, busy=tuning.busy)
+        self.trial = measure.Trial(("aten_ms", "compiled_ms"), self._measured, busy=board.busy)
 
     def __call__(self, region, args):
         if self.kernel is None and (self.worker.finished() if self.worker is not None else self.board.stepped()):

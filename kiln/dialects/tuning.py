@@ -92,7 +92,7 @@ class Tuner:
             trial = self.trials.get(live)
             if trial is None:
                 trial = self.trials[live] = measure.TrialImpl.of(
-                    impl, node, key, folder, settled=lambda: self.trials.pop(live, None), busy=busy)
+                    impl, node, key, folder, settled=lambda: self.trials.pop(live, None), busy=lambda: busy(self))
             return trial
         return impl if measure.faster_than_aten(impl, node, key, timing) else None
 
@@ -162,11 +162,13 @@ def _stop_workers(workers: list) -> None:
         w.close()
 
 
-def busy() -> bool:
-    """Whether any worker of this process is prepared or compiling: its load on the cores would be timed
-    too, whichever step's trial measures now (`measure.Trial` waits). Process-wide on purpose: the cores
-    are shared by every step."""
-    return any(t.busy() for t in list(_tuners))
+def busy(owner: Tuner | None = None) -> bool:
+    """Whether a trial of `owner` should wait: one of its workers is prepared or compiling, or a worker of
+    another step of this process compiles. Its load on the cores would be timed too (`measure.Trial`
+    waits); process-wide on purpose, since the cores are shared by every step."""
+    if owner is not None and owner.busy():
+        return True
+    return any(w.began and not w.finished() for t in list(_tuners) if t is not owner for w in list(t.workers))
 
 
 @atexit.register

@@ -141,6 +141,8 @@ def test_a_stopped_tuner_settles_what_its_worker_left_open(monkeypatch, tmp_path
     (region,) = fuse_regions(g, ("inductor", "aten"), tuner)
     (worker,) = tuner.workers
     assert region.online is not None and region.online.state == "compiling in the background"
+    other = tuning.Tuner("online")
+    assert tuning.busy(tuner) and not tuning.busy(other)    # a worker prepared, not compiling: only its own wait
     tuner.stop()
     assert region.online is None and region.compiled is None and worker.finished() and worker.proc is None
     tuner.start()                                        # a stopped worker never starts
