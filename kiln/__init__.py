@@ -45,7 +45,9 @@ def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Call
             once on ATen's kernels while a background process compiles; each candidate is then timed
             against ATen on the step's own calls and kept only if faster. "ahead": all of it before the
             first step, so every step runs the same kernels (reproducible numerics from step one).
-            Either way the results are cached per machine: later runs decide at compile time.
+            Either way the results are cached per machine: later runs decide at compile time. Each
+            step tunes on its own (`step.tuner`); `step.close()` (or `with kiln.compile(...) as step:`)
+            stops its background compiler and settles what is still measured on ATen's kernels.
         nonfinite: what a step does when its loss or a gradient is NaN/inf (fp32/bf16; fp16's loss scaler
             skips such steps itself). "raise" (default): a `NonFiniteError` naming the loss or the first
             parameter, with parameters and optimizer state unchanged; "skip": the step is skipped with a

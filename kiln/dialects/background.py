@@ -1,7 +1,7 @@
 """Compiling fused regions in a background process while training runs (online tuning).
 
-`Worker(folder, jobs)` prepares a compilation; `start_pending()`, called by the compiled step after
-each step, starts the prepared ones, so the first step never shares the cores with a compiler. A
+`Worker(folder, jobs)` prepares a compilation; its owner, the step's `tuning.Tuner`, starts it after the
+step has run (`Tuner.start()`), so the first step never shares the cores with a compiler. A
 worker is `python .../kiln/dialects/background.py`: one process that compiles each job's FX graph with
 Inductor (`inductor.compile_graph`) and stores the generated source in the region cache under the
 job's key, exactly as a compilation ahead of time would (`inductor.store_source`: with its hash in the
@@ -20,15 +20,14 @@ Lifecycle: a worker never outlives what started it and leaves nothing on disk bu
   watchdog thread that exits on EOF of the pipe the training holds (closed by the kernel however the
   training ends, `kill -9` included) or when its parent pid changes. It runs in its own process group,
   and takes its compiler subprocesses with it.
-- It is stopped (`close()`) when all its regions are settled, when the `Worker` is garbage collected
-  (its step was), and at interpreter exit.
+- It is stopped (`close()`) when all its regions are settled, when its tuner is stopped or closed
+  (`CompiledStep.close()`), when the `Worker` is garbage collected (its step was), and at interpreter exit.
 - A start that fails or is interrupted finishes the worker with nothing stored (warned): its regions
   report it and keep their ATen ops; tuning is never left pending.
 A job that fails leaves no source; its error is in the worker's log, which `Worker.errors()` reads back.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import pickle
@@ -44,13 +43,10 @@ from typing import Callable
 
 log = logging.getLogger("kiln")
 
-_live: "weakref.WeakSet[Worker]" = weakref.WeakSet()       # prepared or running
-_pending: "list[weakref.ref[Worker]]" = []                     # prepared, not started (a step owns each)
-
 
 class Worker:
-    """A background compilation of `jobs` ({key: (fx GraphModule, input metas)}) into `folder`,
-    started by `start_pending()`. `before_start` (kept weakly when it is a bound method, so a worker
+    """A background compilation of `jobs` ({key: (fx GraphModule, input metas)}) into `folder`, owned
+    and started by a `tuning.Tuner`. `before_start` (kept weakly when it is a bound method, so a worker
     does not keep its owner alive) may drop jobs first."""
 
     POLL_S = 0.25           # how often `finished()` asks the operating system
@@ -61,11 +57,10 @@ class Worker:
         self.seconds: float | None = None
         self.failure = ""                 # why it did not start (it is then finished, having stored nothing)
         self._began = False
+        self._borrowing = False           # holds one of the training's cores (`_take_core`)
         self._polled = 0.0
         self._os = _Process()
         weakref.finalize(self, self._os.stop)     # garbage collected, or interpreter exit: stopped
-        _live.add(self)
-        _pending.append(weakref.ref(self))
 
     @property
     def before_start(self) -> Callable[[], None] | None:
@@ -103,6 +98,7 @@ class Worker:
             import torch
             self._os.spawn({"folder": str(self.folder), "threads": torch.get_num_threads(), "jobs": self.jobs})
             _take_core()
+            self._borrowing = True
         except Exception as exc:
             self._fail(exc)
             return
@@ -119,6 +115,11 @@ class Worker:
         self._os.stop()
         if self.seconds is None:
             self._done(time.perf_counter())
+
+    @property
+    def began(self) -> bool:
+        """Whether `start()` was called (or the worker was closed before): it will not start again."""
+        return self._began
 
     def finished(self) -> bool:
         """Whether the worker is done (asked at most every POLL_S seconds: this sits on the step's path)."""
@@ -137,8 +138,9 @@ class Worker:
 
     def _done(self, now: float) -> None:
         self.seconds = now - self.started
-        _live.discard(self)
-        _give_back_core()
+        if self._borrowing:
+            self._borrowing = False
+            _give_back_core()
 
     def errors(self) -> str:
         """The last lines of the worker's log (its errors, if a job failed), or why it did not start."""
@@ -147,8 +149,9 @@ class Worker:
         return "\n".join(([self.failure] if self.failure else []) + lines)
 
     def close(self) -> None:
-        """Stop the worker (with its compilers) if it runs, and release its pipe and log."""
-        _forget(self)
+        """Stop the worker (with its compilers) if it runs, and release its pipe and log; a worker closed
+        before it started never starts."""
+        self._began = True
         self._os.stop()
         if self.seconds is None:
             self._done(time.perf_counter())
@@ -204,12 +207,11 @@ class _Process:
         self.log = None
 
 
-def _forget(worker: Worker) -> None:
-    _pending[:] = [r for r in _pending if r() is not None and r() is not worker]
-
-
+# Core accounting is process-wide on purpose: torch's thread count is one per process, shared by every
+# step, so which workers (of any step's tuner) borrow from it is a fact about the process, not a step.
 _lent: int | None = None          # the training's thread count while a worker has one of its cores
 _lowered: int | None = None       # ... and the count it was lowered to
+_borrowers = 0                    # running workers of this process (the count comes back when none runs)
 
 
 def training_threads() -> int:
@@ -222,63 +224,25 @@ def _take_core() -> None:
     """While a worker runs, the training uses one thread fewer if its threads fill every core: two
     OpenMP threads sharing their cores with a compiler wait at every barrier for the one that was
     descheduled (measured on 2 cores: Llama steps took 2.5x as long; with one thread, about 2x)."""
-    global _lent, _lowered
+    global _lent, _lowered, _borrowers
     import torch
     threads = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if _lent is None and threads > 1 and threads >= cores:
         _lent, _lowered = threads, threads - 1
         torch.set_num_threads(_lowered)
+    _borrowers += 1
 
 
 def _give_back_core() -> None:
     """The training's threads back once no worker runs (unless the user set another count meanwhile)."""
-    global _lent
-    if _lent is not None and not any(w.proc is not None and w.seconds is None for w in list(_live)):
+    global _lent, _borrowers
+    _borrowers = max(0, _borrowers - 1)
+    if _lent is not None and _borrowers == 0:
         import torch
         if torch.get_num_threads() == _lowered:
             torch.set_num_threads(_lent)
         _lent = None
-
-
-_stepped = False                   # whether a compiled step has finished in this process
-
-
-def stepped() -> bool:
-    """Whether a step has run: kernels found in the cache are loaded after it (loading Inductor's
-    runtime takes about 2 s, which the first step should not wait for)."""
-    return _stepped
-
-
-def start_pending() -> None:
-    """Start the prepared workers (the compiled step calls this after each step). A worker whose step is
-    gone is not started; one whose start fails is finished with nothing stored (`Worker.start`)."""
-    global _stepped
-    _stepped = True
-    while _pending:
-        ref = _pending[0]
-        try:
-            worker = ref()
-            if worker is not None:
-                worker.start()
-        finally:
-            if _pending and _pending[0] is ref:
-                _pending.pop(0)
-
-
-def busy() -> bool:
-    """Whether a worker is still compiling: timings taken now would measure the contention, not the
-    kernels (`measure.Trial` waits)."""
-    return any(not w.finished() for w in list(_live))
-
-
-@atexit.register
-def stop_all() -> None:
-    """Stop every worker of this process (at exit; also before a private cache folder is removed)."""
-    for w in list(_live):
-        w.close()
-    _pending.clear()
-    _give_back_core()
 
 
 # ---- the worker process --------------------------------------------------------------------------------

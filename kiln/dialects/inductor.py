@@ -34,12 +34,13 @@ import logging
 import operator
 import time
 import types
+import weakref
 from pathlib import Path
 
 import torch
 from torch._ops import OpOverload
 
-from kiln.dialects import background, measure
+from kiln.dialects import measure, tuning
 from kiln.dialects.registry import dialect, region_provider
 from kiln.ops.registry import Kind
 
@@ -76,13 +77,24 @@ def accepts(n) -> bool:
 def _lowerable(t: OpOverload) -> bool:
     """Whether Inductor lowers `t` (or decomposes it into ops it lowers), never as an opaque fallback.
     Read from the table shipped for this torch version (`OP_TABLE`), else from the cache folder; only an
-    op in neither imports Inductor (about 2 s) to ask it."""
+    op in neither imports Inductor (about 2 s) to ask it. Grouping asks this: new answers are written to
+    the cache later, by `compile_all` (`_save_known_ops`), not by the pass."""
     known = _known_ops()
     name = str(t)
     if name not in known:
-        known[name] = _ask_inductor(t)
-        measure.write_atomic(cache_dir(), "lowerable.json", json.dumps(known, sort_keys=True))
+        known[name] = _asked[name] = _ask_inductor(t)
     return known[name]
+
+
+_asked: dict[str, bool] = {}     # answers not in the shipped table, to add to the cache's lowerable.json
+
+
+def _save_known_ops() -> None:
+    if _asked:
+        cached = measure.read_json(cache_dir() / "lowerable.json")
+        known = {**(cached if isinstance(cached, dict) else {}), **_asked}
+        if measure.write_atomic(cache_dir(), "lowerable.json", json.dumps(known, sort_keys=True)):
+            _asked.clear()
 
 
 def _ask_inductor(t: OpOverload) -> bool:
@@ -99,7 +111,8 @@ def _known_ops() -> dict[str, bool]:
     table = measure.read_json(OP_TABLE)
     if isinstance(table, dict) and table.get("torch") == torch.__version__ and isinstance(table.get("ops"), dict):
         known.update(table["ops"])
-    cached = measure.read_json(cache_dir() / "lowerable.json")
+    folder = measure.existing_cache_dir("inductor")      # grouping creates nothing in the cache
+    cached = measure.read_json(folder / "lowerable.json") if folder is not None else None
     if isinstance(cached, dict):
         known.update(cached)
     return known
@@ -126,12 +139,14 @@ def cache_dir() -> Path:
     return measure.cache_dir("inductor")
 
 
-def compile_all(regions) -> None:
-    """Give every region whose kernel is worth it its compiled kernel (`region.compiled`). Per distinct
-    structural key, measured once per machine and kept in the cache:
+def compile_all(regions, tuner: tuning.Tuner) -> None:
+    """Give every region whose kernel is worth it its compiled kernel (`region.compiled`), or, tuning
+    online (`tuner`'s mode), its online trial (`region.online`). Called by the step's tuner after the
+    passes (`Tuner.realize`). Per distinct structural key, measured once per machine and kept in the cache:
     1. the time of its ATen ops: a region whose ops take under twice the least worthwhile saving
        (`measure.MIN_SAVING_MS`) is not compiled at all;
     2. the compiled kernel (compiled, or loaded from the cache) timed against them, interleaved."""
+    _save_known_ops()
     by_key: dict[str, list] = {}
     for r in regions:
         by_key.setdefault(r.key, []).append(r)
@@ -139,7 +154,7 @@ def compile_all(regions) -> None:
     everything = measure.keep() == "all"
     plan, cheap, slower, pending = [], [], [], {}
     for key, group in by_key.items():
-        if measure.online(group[0].outputs[0].meta.device.type) and not (folder / f"{key}.timing.json").exists():
+        if tuner.online(group[0].outputs[0].meta.device.type) and not (folder / f"{key}.timing.json").exists():
             pending[key] = group        # compiled in the background, measured during training
             continue
         try:
@@ -192,10 +207,10 @@ def compile_all(regions) -> None:
         log.info("kiln: inductor: %d of %d distinct regions were not faster than their ATen ops here and stay "
                  "unfused (KILN_KEEP=all keeps them): %s", len(slower), len(by_key), ", ".join(slower))
     if pending:
-        _go_online(folder, pending)
+        _go_online(folder, pending, tuner)
 
 
-def _go_online(folder: Path, pending: dict[str, list]) -> None:
+def _go_online(folder: Path, pending: dict[str, list], tuner: tuning.Tuner) -> None:
     """Regions not measured here yet, tuning online: they run their ATen ops from the first step (timed);
     a background worker compiles the kernels not in the cache; once it is done, each kernel is measured
     against its ATen ops on the step's own calls and kept only if faster (`_Online`)."""
@@ -204,7 +219,7 @@ def _go_online(folder: Path, pending: dict[str, list]) -> None:
     worker = None
     if jobs:
         try:
-            worker = background.Worker(folder, jobs)
+            worker = tuner.prepare(folder, jobs)
         except Exception as exc:        # no background process: these regions keep their ATen ops
             log.warning("kiln: inductor: cannot prepare the background compilation (%s: %s); %d regions run "
                         "their ATen ops", type(exc).__name__, exc, len(jobs))
@@ -212,21 +227,38 @@ def _go_online(folder: Path, pending: dict[str, list]) -> None:
         else:
             log.info("kiln: inductor: %d distinct fused regions will be compiled in the background after the "
                      "first step; they run their ATen ops until measured faster", len(jobs))
-    board = _Board(worker, len(pending))
+    board = _Board(worker, len(pending), tuner)
     for key, group in pending.items():
         board.onlines[key] = _Online(key, group, folder, worker, board)
         for r in group:
             r.online = board.onlines[key]
     if worker is not None:
         worker.before_start = board.drop_cheap       # kept weakly: the worker does not keep the step alive
+    tuner.on_stop(board.stop)
 
 
 class _Board:
     """What the online regions of one compilation came to, logged once all have settled."""
 
-    def __init__(self, worker, count: int):
+    def __init__(self, worker, count: int, tuner: tuning.Tuner):
         self.worker, self.left, self.kept, self.saved, self.other = worker, count, 0, 0.0, {}
         self.onlines: dict[str, _Online] = {}
+        self._tuner = weakref.ref(tuner)
+
+    def stepped(self) -> bool:
+        """Whether the owning step has run a step (kernels found in the cache are loaded after it: loading
+        Inductor's runtime takes about 2 s, which the first step should not wait for)."""
+        tuner = self._tuner()
+        return tuner is not None and tuner.stepped
+
+    def busy(self) -> bool:
+        """Whether a trial should wait for a compiler (`tuning.busy`)."""
+        return tuning.busy(self._tuner())
+
+    def stop(self) -> None:
+        """The tuner stopped: every region still open keeps its ATen ops (not cached: nothing was decided)."""
+        for online in list(self.onlines.values()):
+            online._settle("stopped", None)
 
     def drop_cheap(self) -> None:
         """Before the worker starts: regions whose ATen ops took under 2 * MIN_SAVING_MS a call in the first
@@ -267,15 +299,15 @@ class _Online:
         self.state = "compiling in the background" if worker is not None else "measuring"
         self.kernel = None
         self.first: list[float] = []          # ms of each call in the first step (before the worker starts)
-        self.trial = measure.Trial(("aten_ms", "compiled_ms"), self._measured)
+        self.trial = measure.Trial(("aten_ms", "compiled_ms"), self._measured, busy=board.busy)
 
     def __call__(self, region, args):
-        if self.kernel is None and (self.worker.finished() if self.worker is not None else background.stepped()):
+        if self.kernel is None and (self.worker.finished() if self.worker is not None else self.board.stepped()):
             self._load(region)
         if region.online is not self:        # settled just now: kept without measuring (KILN_KEEP=all), or failed
             return region(*args)
         if self.kernel is None:               # still compiling: the ATen ops (timed in the first step)
-            if background.stepped():
+            if self.board.stepped():
                 return region.reference(*args)
             t = time.perf_counter()
             out = region.reference(*args)

@@ -13,7 +13,9 @@ file removed on any failure): a reader never sees half a file, and a cache that 
 costs a later run the measurement again. Code (Inductor's generated wrappers) is stored with its sha256
 in the folder's index and loaded only if it matches (`store_artifact`, `load_artifact`).
 
-Tuning (`tuning()`): *when* an unknown case is measured.
+Tuning (`tuning()`): *when* an unknown case is measured. Which mode a step uses, its live trials and
+its workers belong to the step's `kiln.dialects.tuning.Tuner`; this module holds the measuring and the
+cache helpers, and no state of any step.
 - "online" (the default on CPU): nothing is timed before the first step. The step starts on ATen's
   kernels; a `Trial` then alternates the two implementations on the calls the step really makes,
   times each (5 each, after one unmeasured call each; 3 each when those leave no doubt), settles on
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -78,32 +79,15 @@ def clear_cut(base_ms: list[float], new_ms: list[float]) -> bool:
 
 
 TUNINGS = ("online", "ahead")
-_tuning: contextvars.ContextVar[str | None] = contextvars.ContextVar("kiln_tuning", default=None)
 
 
-def tuning() -> str:
-    """"online" or "ahead" (see the module docstring): `use_tuning(...)` if set, else $KILN_TUNING, else online."""
-    value = _tuning.get() or os.environ.get("KILN_TUNING") or "online"
+def tuning(value: str | None = None) -> str:
+    """"online" or "ahead" (see the module docstring): `value` (a step's `tuning=`) if given, else
+    $KILN_TUNING, else online. A step's `tuning.Tuner` holds its own."""
+    value = value or os.environ.get("KILN_TUNING") or "online"
     if value not in TUNINGS:
         raise KilnError(f"KILN_TUNING must be one of {', '.join(TUNINGS)}, got {value!r}")
     return value
-
-
-@contextlib.contextmanager
-def use_tuning(value: str | None) -> Iterator[None]:
-    """Measure the way `value` says while compiling (None: the default)."""
-    if value is not None and value not in TUNINGS:
-        raise KilnError(f"tuning must be one of {', '.join(TUNINGS)}, got {value!r}")
-    token = _tuning.set(value)
-    try:
-        yield
-    finally:
-        _tuning.reset(token)
-
-
-def online(device_type: str) -> bool:
-    """Whether a case on `device_type` is measured during training (only on CPU, see the docstring)."""
-    return device_type == "cpu" and tuning() == "online"
 
 
 class Trial:
@@ -114,11 +98,13 @@ class Trial:
     adds a sample. After `samples` samples per arm, `on_done(medians)` is called once and `settled` is
     set: the caller runs the winner from then on. A baseline/candidate pair settles after `early`
     samples each when they are already a clear cut (`clear_cut`): a node that runs once per step then
-    settles in 8 steps instead of 12. `clock` is replaceable for tests."""
+    settles in 8 steps instead of 12. `busy()` says when a compiler loads the cores (the trial then waits:
+    `tuning.busy`); `clock` is replaceable for tests."""
 
     def __init__(self, arms: tuple[str, ...], on_done: Callable[[dict[str, float]], None], samples: int = 5,
-                 clock: Callable[[], float] = time.perf_counter, early: int = 3):
-        self.arms, self.on_done, self.samples, self.clock = arms, on_done, samples, clock
+                 clock: Callable[[], float] = time.perf_counter, early: int = 3,
+                 busy: Callable[[], bool] | None = None):
+        self.arms, self.on_done, self.samples, self.clock, self.busy = arms, on_done, samples, clock, busy
         self.early = min(early, samples)
         self.times: dict[str, list[float]] = {a: [] for a in arms}
         self.calls = 0
@@ -144,7 +130,7 @@ class Trial:
     def run(self, fns: dict[str, Callable[[], object]]) -> object:
         """Run the arm whose turn it is and time it (the first arm, untimed, while a background worker
         compiles: its load on the cores would be measured too)."""
-        if background.busy():
+        if self.busy is not None and self.busy():
             return fns[self.arms[0]]()
         arm = self.arm()
         t = self.clock()
@@ -153,24 +139,11 @@ class Trial:
         return out
 
 
-def choice(impl, node):
-    """The implementation to use for `node` among a measured kernel `impl` and the op's ATen kernel:
-    `impl` if it is known (or, tuning ahead, measured now) to be faster here, None if ATen is, or,
-    tuning online with nothing known yet, a `TrialImpl` that measures both during training."""
-    key = _key(impl, node)
-    folder = cache_dir("kernels")
-    timing = _cached(folder / f"{key}.timing.json")
-    if timing is None and online(_device(node)):
-        live = (str(folder), key)
-        return _trials.get(live) or _trials.setdefault(live, TrialImpl.of(impl, node, key, folder))
-    return impl if faster_than_aten(impl, node, key, timing) else None
-
-
 def faster_than_aten(impl, node, key: str | None = None, timing: dict | None = None) -> bool:
     """Whether `impl`'s kernel beats the op's ATen kernel on this node's shapes, strides and dtypes
     (measured once per machine; the decision is logged)."""
     from kiln.ir.graph import tree_map_values
-    key = key or _key(impl, node)
+    key = key or kernel_key(impl, node)
     folder = cache_dir("kernels")
     known = timing is not None or (folder / f"{key}.timing.json").exists()
 
@@ -196,37 +169,37 @@ def _log_decision(impl, node, timing: dict, chosen: bool, how: str) -> None:
              timing["aten_ms"], how, "used" if chosen else "ATen kept")
 
 
-def _key(impl, node) -> str:
+def kernel_key(impl, node) -> str:
+    """The cache key of `impl` on `node`'s shapes, strides and dtypes."""
     from kiln.ir.graph import tree_map_values
     sig = tree_map_values(lambda v: (v.meta.shape, str(v.meta.dtype), v.meta.stride) if v.meta else None,
                           (node.args, node.kwargs))
     return hashlib.sha256(repr((impl.label, str(node.target), sig)).encode()).hexdigest()[:24]
 
 
-def _device(node) -> str:
+def device_of(node) -> str:
     types = {v.meta.device.type for v in node.outputs if v.meta is not None}
     return types.pop() if len(types) == 1 else "cpu"
 
 
-def _cached(path: Path) -> dict | None:
+def cached_timing(path: Path) -> dict | None:
     got = read_json(path)
     return got if isinstance(got, dict) and got and all(isinstance(v, (int, float)) for v in got.values()) else None
-
-
-_trials: dict[tuple, object] = {}     # (cache folder, key) -> the registry.Impl of a live online measurement, shared by the nodes with that key
 
 
 @dataclasses.dataclass(eq=False)
 class TrialImpl:
     """A measured kernel under online measurement: the node's kernel alternates between the dialect's
-    and ATen's until the trial settles, then runs the faster one (`explain` shows which)."""
+    and ATen's until the trial settles, then runs the faster one (`explain` shows which). Owned by a
+    step's `tuning.Tuner` (shared by the nodes with one key); `settled()` is called once decided."""
 
     base: object                        # the dialect's registry.Impl
     trial: Trial | None = None
     chosen: bool | None = None          # None while measuring
 
     @classmethod
-    def of(cls, impl, node, key: str, folder: Path):
+    def of(cls, impl, node, key: str, folder: Path, settled: Callable[[], None] = lambda: None,
+           busy: Callable[[], bool] | None = None):
         from kiln.dialects.registry import Impl
         me = cls(impl)
 
@@ -235,8 +208,8 @@ class TrialImpl:
             write_atomic(folder, f"{key}.timing.json", json.dumps(timing))
             me.chosen = worth_it(timing["new_ms"], timing["aten_ms"])
             _log_decision(impl, node, timing, me.chosen, ", measured during training")
-            _trials.pop((str(folder), key), None)
-        me.trial = Trial(("aten", "new"), done)
+            settled()
+        me.trial = Trial(("aten", "new"), done, busy=busy)
         new, aten = impl.kernel, node.target
 
         def kernel(*args, **kwargs):
@@ -272,6 +245,15 @@ def cache_dir(kind: str) -> Path:
         return Path(os.devnull).joinpath(*parts)
 
 
+def existing_cache_dir(kind: str) -> Path | None:
+    """`cache_dir(kind)` if it exists already (None otherwise): for readers that must create nothing, such
+    as the passes."""
+    version = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln") / kind / f"torch-{torch.__version__}"
+    if not version.is_dir() or not (version / machine()).is_dir():   # machine() runs the compiler: only if needed
+        return None
+    return cache_dir(kind)
+
+
 _refused: set[str] = set()           # cache roots already warned about
 _scratch_dir: list[str] = []         # this process's private cache when the user's is refused
 
@@ -297,7 +279,8 @@ def _scratch() -> Path:
         _scratch_dir.append(tempfile.mkdtemp(prefix="kiln-cache-"))
 
         def remove(path=_scratch_dir[0]) -> None:
-            background.stop_all()            # no worker writes into it any more
+            from kiln.dialects import tuning
+            tuning.stop_all()                # no worker writes into it any more
             shutil.rmtree(path, ignore_errors=True)
         atexit.register(remove)
     return Path(_scratch_dir[0])

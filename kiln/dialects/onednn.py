@@ -2,7 +2,7 @@
 
 ATen's CPU `linear` calls MKL/oneDNN GEMM already; oneDNN's inner-product primitive wins on some CPUs
 and shapes (bf16 on CPUs with AVX512-BF16/AMX) and loses on others. The kernel is therefore
-`measured`: for each distinct (shapes, strides, dtypes) the dispatch pass times both kernels once per
+`measured`: for each distinct (shapes, strides, dtypes) the step's tuner times both kernels once per
 machine (`kiln.dialects.measure`) and keeps oneDNN only when it takes at most 95 % of ATen's time.
 
 Measured on the development machine (AMD EPYC, 2 cores, AVX2, fp32, 2048 tokens): oneDNN took

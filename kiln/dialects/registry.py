@@ -108,8 +108,10 @@ class Fusion:
 class RegionFusion:
     """A dialect that compiles whole regions of elementwise/reduction ops (`kiln.passes.regions`).
 
-    `accepts(node)` says which nodes it can put in a region; `compile_all(regions)` gives each region
-    its compiled kernel (`region.compiled`), or leaves it None (the region runs its reference ops)."""
+    `accepts(node)` says which nodes it can put in a region; `compile_all(regions, tuner)`, called by the
+    step's `tuning.Tuner` after the passes (`Tuner.realize`), gives each region its compiled kernel
+    (`region.compiled`) or its online trial (`region.online`), or leaves both None (the region runs its
+    reference ops)."""
 
     dialect: Dialect
     accepts: Callable
@@ -275,20 +277,29 @@ def dialects(*names: str) -> Iterator[tuple[str, ...]]:
         _enabled.reset(token)
 
 
-def select(node, names: tuple[str, ...], form: str) -> Impl | None:
-    """The implementation of `form` ('kernel' or 'lower') to use for node, or None."""
+def select(node, names: tuple[str, ...], form: str, choose: Callable | None = None) -> Impl | None:
+    """The implementation of `form` ('kernel' or 'lower') to use for node, or None.
+
+    A measured kernel (`Impl.measured`) is used only where `choose(impl, node)` (a `tuning.Tuner`'s: known,
+    measured now, or measured online) returns an implementation; None there tries the next candidate.
+    Without `choose` nothing is measured: the first candidate is returned, measured or not, and the caller
+    (the dispatch pass) leaves the choice to the tuner."""
     rank = {n: i for i, n in enumerate(names)}
     candidates = [i for i in impls_for(node.target) if i.dialect.name in rank and getattr(i, form) is not None]
     candidates.sort(key=lambda i: (rank[i.dialect.name], -i.priority))
     for impl in candidates:
         if impl.accepts(node):
-            if impl.measured:       # only where faster than ATen here: known, measured now, or measured online
-                from kiln.dialects.measure import choice
-                impl = choice(impl, node)
+            if impl.measured and choose is not None:
+                impl = choose(impl, node)
                 if impl is None:
                     continue
             return impl
     return None
+
+
+def aten_kernel(target) -> Impl:
+    """The `aten` implementation of an ATen op (or fallback node): its target itself."""
+    return Impl(DIALECTS["aten"], target, kernel=target)
 
 
 def _load() -> None:

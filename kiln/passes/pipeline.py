@@ -1,6 +1,10 @@
 """THE compilation pipeline: reading this list tells the whole story of a compilation.
 
-capture -> forward clean-up -> autodiff -> optimizer -> training-graph clean-up -> dispatch.
+capture -> forward clean-up -> autodiff -> optimizer -> training-graph clean-up -> regions, dispatch
+-> (the step's tuner realizes their requests: compiles, measures, caches) -> region placement.
+Passes are pure graph-to-graph functions: what needs compiling or timing is recorded on the `Context`
+(`regions`: candidate regions wanting a kernel; `choices`: nodes whose measured kernel needs a choice)
+for `tuning.Tuner.realize`, which `CompiledStep` calls between `PIPELINE` and `AFTER_TUNING`.
 Set KILN_DUMP=1 to print the graph after every pass; `verify=True` runs the verifier after each.
 """
 from __future__ import annotations
@@ -26,7 +30,7 @@ from kiln.passes.dce import dead_code_elimination
 from kiln.passes.dispatch import dispatch
 from kiln.passes.fuse import fuse
 from kiln.passes.noops import remove_noops
-from kiln.passes.regions import fuse_regions
+from kiln.passes.regions import find_regions, place_regions
 from kiln.passes.verify import verify
 
 log = logging.getLogger("kiln")
@@ -42,6 +46,7 @@ class Context:
     nonfinite: str = "raise"       # kiln.guards.NONFINITE
     timings: list[tuple[str, float, int]] = field(default_factory=list)   # (pass, seconds, nodes after)
     regions: list = field(default_factory=list)  # every fused region considered (kiln.passes.regions.Region)
+    choices: list = field(default_factory=list)  # nodes whose measured kernel the tuner chooses (registry.select)
 
 
 def add_backward_and_update(ctx: Context) -> int:
@@ -105,14 +110,19 @@ PIPELINE: list[Pass] = [
     ("cse", lambda c: common_subexpression_elimination(c.graph)),
     ("dce", lambda c: dead_code_elimination(c.graph)),
     ("fuse", lambda c: fuse(c.graph, c.dialects, "training")),    # e.g. all AdamW updates -> one kernel
-    ("regions", lambda c: c.regions.extend(fuse_regions(c.graph, c.dialects))),   # elementwise/reduction regions -> Inductor
-    ("dispatch", lambda c: dispatch(c.graph, c.dialects)),       # each node -> a dialect's kernel
+    ("regions", lambda c: c.regions.extend(find_regions(c.graph, c.dialects))),   # elementwise/reduction regions: kernels wanted
+    ("dispatch", lambda c: dispatch(c.graph, c.dialects, c.choices)),   # each node -> a dialect's kernel (measured: a choice)
+]
+
+# after the step's tuner has given the regions their kernels and made the choices (`Tuner.realize`)
+AFTER_TUNING: list[Pass] = [
+    ("place_regions", lambda c: place_regions(c.graph, c.regions, c.dialects)),   # regions with a kernel -> one node each
 ]
 
 
-def run_pipeline(ctx: Context) -> Context:
+def run_pipeline(ctx: Context, passes: list[Pass] = PIPELINE) -> Context:
     dump = os.environ.get("KILN_DUMP") == "1"
-    for name, fn in PIPELINE:
+    for name, fn in passes:
         t0 = time.perf_counter()
         fn(ctx)
         ctx.timings.append((name, time.perf_counter() - t0, len(ctx.graph.nodes)))

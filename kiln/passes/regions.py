@@ -22,7 +22,10 @@ through a matmul. No op is ever duplicated: a reduction whose result feeds two l
 output of its own region, computed once. Ops with side effects and random ops are never in a region.
 Regions with fewer than two ops that compute (views excluded) are left unfused.
 
-Each region the dialect compiles and finds worth it (or is still measuring, see `kiln.dialects.measure`) becomes one node whose target is a `Region`: its inputs, outputs, a structural key (equal
+The pass only decides the regions (`find_regions`: pure, no compiling, timing or cache); the step's
+tuner then has the dialect compile and measure them (`kiln.dialects.tuning`), and `place_regions`
+swaps them in. Each region the dialect compiles and finds worth it (or is still measuring, see
+`kiln.dialects.measure`) becomes one node whose target is a `Region`: its inputs, outputs, a structural key (equal
 for regions with the same ops, constants, shapes, strides and dtypes, so repeated transformer layers
 are compiled once), and its reference implementation, the region's ATen ops as generated Python. The
 dialect's compiled kernel runs in its place; a region that cannot be compiled keeps its ops, and a
@@ -114,9 +117,10 @@ def _strides(shape, stride) -> tuple:
     return tuple(st for st, n in zip(stride, shape) if n > 1)
 
 
-def fuse_regions(graph: Graph, names: tuple[str, ...]) -> list[Region]:
-    """Group, build and compile regions with the first enabled region dialect. Returns every region
-    considered; those with a compiled kernel replace their ops (`explain` reports the others)."""
+def find_regions(graph: Graph, names: tuple[str, ...]) -> list[Region]:
+    """Group and build the candidate regions of the first enabled region dialect, leaving the graph as it
+    is: each region is a request for a kernel, which the step's tuner gives it after the passes (compiled,
+    measured or tried online: `tuning.Tuner.realize`); `place_regions` then swaps in those that got one."""
     provider = registry.region_fusion(names)
     if provider is None:
         return []
@@ -124,11 +128,17 @@ def fuse_regions(graph: Graph, names: tuple[str, ...]) -> list[Region]:
     if not groups:
         return []
     users, live = graph.users(), graph.live_outputs()
-    regions = [make_region(nodes, i, users, live) for i, nodes in enumerate(groups)]
-    provider.compile_all(regions)
-    # kept regions, and those still to be measured during training; the others keep their ops
-    _replace(graph, [r for r in regions if r.compiled is not None or r.online is not None], provider)
-    return regions
+    return [make_region(nodes, i, users, live) for i, nodes in enumerate(groups)]
+
+
+def place_regions(graph: Graph, regions: list[Region], names: tuple[str, ...]) -> int:
+    """Replace the ops of each region with a compiled kernel, or one still to be measured during training,
+    by one region node; the others keep their ops (`explain` reports them). Returns how many."""
+    placed = [r for r in regions if r.compiled is not None or r.online is not None]
+    provider = registry.region_fusion(names)
+    if placed and provider is not None:
+        _replace(graph, placed, provider)
+    return len(placed)
 
 
 def summary(regions: list[Region]) -> str:
@@ -291,7 +301,7 @@ def _replace(graph: Graph, regions: list[Region], provider: registry.RegionFusio
     for r in regions:
         node = Node(REGION_OP, r, tuple(r.inputs), {}, list(r.outputs), r.nodes[-1].phase, _common_scope(r.nodes),
                     fused=Fused(provider.label, r.ops))
-        r.impl = registry.Impl(provider.dialect, r, kernel=r, name="region", fallback=False)
+        r.impl = node.impl = registry.Impl(provider.dialect, r, kernel=r, name="region", fallback=False)
         for x in r.nodes:
             unit[x.uid] = node
         for o in r.outputs:

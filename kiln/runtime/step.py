@@ -13,14 +13,15 @@ import torch
 import torch.utils._pytree as pytree
 
 from kiln.capture import capture
-from kiln.dialects import background, measure
+from kiln.dialects import measure
 from kiln.dialects import registry as dialect_registry
+from kiln.dialects.tuning import Tuner
 from kiln.errors import InputError, KilnError, StepError
 from kiln.guards import NONFINITE, BranchChanged, SkippedStep
 from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
-from kiln.passes.pipeline import AMP_STATE, Context, run_pipeline
+from kiln.passes.pipeline import AFTER_TUNING, AMP_STATE, Context, run_pipeline
 from kiln.runtime import checkpoint
 from kiln.runtime.codegen import generate
 from kiln.runtime.failures import describe_failure
@@ -106,6 +107,7 @@ class CompiledStep:
             raise KilnError(f"tuning must be one of {', '.join(map(repr, measure.TUNINGS))} (or None: $KILN_TUNING, "
                             f"default 'online'), got {tuning!r}")
         self.tuning = tuning
+        self.tuner = Tuner(tuning)            # this step's trials, background workers and their lifecycle
         if nonfinite not in NONFINITE:
             raise KilnError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -135,6 +137,8 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         grad_mode = torch.is_grad_enabled()
         with self._lock:
+            if self.tuner.closed:
+                raise KilnError("this compiled step was closed (step.close()); call kiln.compile again")
             try:
                 return self._step(args, kwargs)
             finally:                        # an interrupt inside a no_grad block must not leave it off
@@ -200,8 +204,21 @@ class CompiledStep:
                             "earlier fused group had already been applied. Check the optimizer's hyper-parameters, "
                             "or try kiln.compile(..., dialects=['aten'])") from e
         prog.ran = True
-        background.start_pending()          # online tuning: compilers start once a step has run
+        self.tuner.start()                  # online tuning: compilers start once a step has run
         return loss.detach()
+
+    def close(self) -> None:
+        """Stop tuning: background compilers are stopped, what they or the trials left open keeps ATen's
+        kernels (nothing pending). Idempotent; garbage collection and interpreter exit stop the compilers too.
+        The step cannot be called afterwards."""
+        with self._lock:
+            self.tuner.close()
+
+    def __enter__(self) -> "CompiledStep":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _module_tensors(self) -> dict[str, torch.Tensor]:
         tensors = dict(self.model.named_parameters(remove_duplicate=False))
@@ -238,9 +255,12 @@ class CompiledStep:
         args, kwargs = _unalias(args, kwargs)
         with _rng_untouched():              # capture, measurement and trials draw nothing from the user's stream:
             graph, constants = capture(self.model, self.loss_fn, args, kwargs)     # the step's dropout masks
-            with measure.use_tuning(self.tuning):                                   # are eager's
-                ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
-                                           nonfinite=self.nonfinite))
+            ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,  # are eager's
+                                       nonfinite=self.nonfinite))
+            t1 = time.perf_counter()        # the passes asked; the tuner compiles, measures, prepares workers
+            self.tuner.realize(ctx)
+            ctx.timings.append(("tuning", time.perf_counter() - t1, len(ctx.graph.nodes)))
+            run_pipeline(ctx, AFTER_TUNING)
         source, fn = generate(ctx.graph)
         fetch = [self._fetcher(v, constants) for v in ctx.graph.inputs]
         seconds = time.perf_counter() - t0
@@ -298,19 +318,7 @@ class CompiledStep:
         """What online tuning (`tuning="online"`, the default on CPU) still compiles or measures in the
         programs compiled so far, one line per distinct kernel choice: [] once every choice is made (the
         steps from then on run the chosen kernels only). Benchmarks wait for this before timing steps."""
-        pending, seen = [], set()
-        for prog in self.programs.values():
-            for r in prog.regions:
-                if r.online is not None and id(r.online) not in seen:
-                    seen.add(id(r.online))
-                    pending.append(f"fused region {r.name}: {r.online.state}")
-            for n in prog.graph.nodes:
-                trial = n.impl.trial if n.impl is not None else None
-                if trial is not None and trial.chosen is None and id(trial) not in seen:
-                    seen.add(id(trial))
-                    shapes = ", ".join(str(v.meta) for v in n.inputs if v.meta is not None)
-                    pending.append(f"{n.impl.label} {n.op.name}({shapes})")
-        return pending
+        return self.tuner.pending(self.programs.values())
 
     def explain(self, file=None, profile: bool = False) -> str:
         from kiln.runtime.explain import explain

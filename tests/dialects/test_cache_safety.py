@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.dialects import background, inductor, measure
+from kiln.dialects import background, inductor, measure, tuning
 from tests.passes.test_regions import _graph_with_layer_norm_chain
 
 ROOT = Path(kiln.__file__).resolve().parents[1]
@@ -145,14 +145,14 @@ def _fused_chain():
     """The layer-norm chain of test_regions with its region fused (None if it was not): checked against
     its ATen ops."""
     from kiln.passes.dispatch import dispatch
-    from kiln.passes.regions import Region, fuse_regions
+    from kiln.passes.regions import Region
     from kiln.runtime.codegen import generate
+    from tests.passes.graphs import fuse_regions
     g, tensors = _graph_with_layer_norm_chain()
     ref = copy.deepcopy(g)
     dispatch(ref, ("aten",))
     want = generate(ref, return_all=True)[1](*tensors)
     fuse_regions(g, ("inductor", "aten"))
-    dispatch(g, ("inductor", "aten"))
     for got, exp in zip(generate(g, return_all=True)[1](*tensors), want):
         torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
     regions = [n.target for n in g.nodes if isinstance(n.target, Region)]
@@ -331,12 +331,11 @@ WIDE = (32, 48, 64, 80)          # four blocks of distinct widths: a worker with
 TRAIN_ONLINE = NET + f'''
 import sys, time
 import kiln
-from kiln.dialects import background
 model = Net({WIDE})
 step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=loss, dialects=["inductor", "aten"],
                     tuning="online")
 step(*data())                       # starts the worker
-(worker,) = [w for w in list(background._live) if w.proc is not None]
+(worker,) = [w for w in step.tuner.workers if w.proc is not None]
 print(worker.proc.pid, flush=True)
 sys.stdin.readline()                # killed here, or told to exit normally
 '''
@@ -381,13 +380,13 @@ def _online_step(monkeypatch, tmp_path):
 def test_a_worker_is_stopped_when_its_step_is_garbage_collected(monkeypatch, tmp_path):
     step, *_, args = _online_step(monkeypatch, tmp_path)
     step(*args)
-    (worker,) = [w for w in list(background._live) if w.proc is not None]
+    (worker,) = [w for w in step.tuner.workers if w.proc is not None]
     pid = worker.proc.pid
     assert _alive(pid)
     del step, worker
     gc.collect()
     assert _gone_within(pid, 5.0), "the worker of a collected step still runs"
-    assert _leftovers(tmp_path) == [] and not background.busy()
+    assert _leftovers(tmp_path) == [] and not tuning.busy()
 
 
 def _in_worker_start() -> bool:
@@ -411,7 +410,7 @@ def test_an_interrupted_start_never_leaves_tuning_pending(monkeypatch, tmp_path,
             return real(*a, **k)
         monkeypatch.setattr(owner, name, real)
         if where == "_take_core":
-            spawned.extend(w.proc.pid for w in list(background._live) if w.proc is not None)
+            spawned.extend(w.proc.pid for w in step.tuner.workers if w.proc is not None)
         raise KeyboardInterrupt
     monkeypatch.setattr(owner, name, interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -423,4 +422,4 @@ def test_an_interrupted_start_never_leaves_tuning_pending(monkeypatch, tmp_path,
     assert all(r.failed is not None and r.compiled is None for r in step.last.regions)
     _assert_trained_like_eager(model, ref, args, 3)
     assert all(_gone_within(pid, 5.0) for pid in spawned)
-    assert _leftovers(tmp_path) == [] and not background.busy()
+    assert _leftovers(tmp_path) == [] and not tuning.busy()

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import kiln
-from kiln.dialects import background, inductor, measure, registry
+from kiln.dialects import background, inductor, measure, registry, tuning
 from kiln.errors import KilnError
 from tests.dialects.test_onednn import _assert_eager_adamw, _loss, _mlp
-from tests.passes.graphs import aten
+from tests.passes.graphs import aten, fuse_regions
 from tests.passes.test_regions import _graph_with_layer_norm_chain as _layer_norm_chain
 
 
@@ -29,9 +29,9 @@ class FakeClock:
         return self.now
 
 
-def _trial(costs: dict[str, list[float]], samples=3):
+def _trial(costs: dict[str, list[float]], samples=3, busy=None):
     clock, done = FakeClock(), []
-    trial = measure.Trial(tuple(costs), done.append, samples=samples, clock=clock)
+    trial = measure.Trial(tuple(costs), done.append, samples=samples, clock=clock, busy=busy)
     left = {arm: list(v) for arm, v in costs.items()}
 
     def call(arm):
@@ -65,11 +65,11 @@ def test_a_trial_settles_after_three_samples_each_only_when_they_leave_no_doubt(
     assert done == [{"aten": pytest.approx(1.0), "new": pytest.approx(0.9)}]
 
 
-def test_a_trial_waits_while_a_compiler_runs(monkeypatch):
-    trial, done, call = _trial({"aten": [1.0] * 7, "new": [2.0] * 4})
-    monkeypatch.setattr(background, "busy", lambda: True)
+def test_a_trial_waits_while_a_compiler_runs():
+    compiling = [True]
+    trial, done, call = _trial({"aten": [1.0] * 7, "new": [2.0] * 4}, busy=lambda: compiling[0])
     assert [call() for _ in range(3)] == ["aten"] * 3 and trial.calls == 0
-    monkeypatch.setattr(background, "busy", lambda: False)
+    compiling[0] = False
     for _ in range(8):
         call()
     assert done == [{"aten": pytest.approx(1.0), "new": pytest.approx(2.0)}]
@@ -124,12 +124,10 @@ def test_onednn_linear_is_measured_during_training_and_the_decision_cached(monke
 
 
 # ---- fused regions: compiled in the background, measured during training ----------------------------
-def _compiled(g):
-    from kiln.passes.dispatch import dispatch
-    from kiln.passes.regions import Region, fuse_regions
+def _compiled(g, tuner):
+    from kiln.passes.regions import Region
     from kiln.runtime.codegen import generate
-    considered = fuse_regions(g, ("inductor", "aten"))
-    dispatch(g, ("inductor", "aten"))
+    considered = fuse_regions(g, ("inductor", "aten"), tuner)
     (region,) = [n.target for n in g.nodes if isinstance(n.target, Region)]
     return considered, region, generate(g, return_all=True)[1]
 
@@ -149,12 +147,13 @@ def test_a_region_compiles_in_the_background_then_is_measured_and_cached(monkeyp
     monkeypatch.setattr(inductor, "_compile_source", lambda r: pytest.fail("compiled in the training process"))
     g, tensors = _layer_norm_chain()
     want = _eager(g, tensors)
-    considered, region, fn = _compiled(g)
+    tuner = tuning.Tuner()
+    considered, region, fn = _compiled(g, tuner)
     assert region.online is not None and region.online.state == "compiling in the background"
     assert region.compiled is None
     for got, exp in zip(fn(*tensors), want):          # runs its ATen ops meanwhile
         torch.testing.assert_close(got, exp)
-    background.start_pending()                          # what the compiled step does after a step
+    tuner.start()                                       # what the compiled step does after a step
     deadline = time.monotonic() + 240
     while region.online is not None and time.monotonic() < deadline:
         for got, exp in zip(fn(*tensors), want):        # kernel or ATen ops, every call is right
@@ -166,11 +165,10 @@ def test_a_region_compiles_in_the_background_then_is_measured_and_cached(monkeyp
     assert set(timing) == {"aten_ms", "compiled_ms"} and region.timing == timing
     assert (region.compiled is not None) == measure.worth_it(timing["compiled_ms"], timing["aten_ms"])
     assert any("measured during training" in r.getMessage() for r in kiln_log.records)
-    assert not background.busy() and not list(inductor.cache_dir().glob(".jobs.*"))
+    assert not tuning.busy() and not list(inductor.cache_dir().glob(".jobs.*"))
 
     # the next compilation decides before the first step, from the cache, compiling nothing
     g2, _ = _layer_norm_chain()
-    from kiln.passes.regions import fuse_regions
     (again,) = fuse_regions(g2, ("inductor", "aten"))
     assert again.online is None and again.timing == timing
     assert (again.compiled is not None) == (region.compiled is not None)
@@ -201,7 +199,8 @@ def test_a_region_the_worker_could_not_compile_keeps_its_ops(monkeypatch, tmp_pa
 
     g, tensors = _layer_norm_chain()
     want = _eager(g, tensors)
-    _, region, fn = _compiled(g)
+    tuner = tuning.Tuner()
+    _, region, fn = _compiled(g, tuner)
     worker = region.online.worker
     worker.seconds = 1.0                                 # finished, having stored nothing
     monkeypatch.setattr(worker, "errors", lambda: f"kiln worker: {region.key} failed: LoweringException: nope")
@@ -217,13 +216,13 @@ def test_a_region_the_worker_could_not_compile_keeps_its_ops(monkeypatch, tmp_pa
 def test_regions_the_first_step_shows_too_cheap_are_not_compiled(monkeypatch, tmp_path):
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("KILN_TUNING", "online")
-    monkeypatch.setattr(background, "_stepped", False)
     monkeypatch.setattr(measure, "MIN_SAVING_MS", 1e6)        # nothing could save that much
     g, tensors = _layer_norm_chain()
-    _, region, fn = _compiled(g)
+    tuner = tuning.Tuner()
+    _, region, fn = _compiled(g, tuner)
     worker = region.online.worker
     fn(*tensors)                                              # the first step times the ATen ops
-    background.start_pending()
+    tuner.start()
     assert worker.proc is None and worker.finished() and not worker.jobs   # nothing to compile
     assert region.online is None and region.compiled is None
     assert set(region.timing) == {"aten_ms"} and region.timing["aten_ms"] > 0
@@ -248,5 +247,5 @@ def test_the_training_lends_a_core_to_a_worker_and_gets_it_back(monkeypatch):
         background._take_core()                            # one thread: nothing to lend
         assert torch.get_num_threads() == 1 and background._lent is None
     finally:
-        background._lent = None
+        background._lent, background._borrowers = None, 0
         torch.set_num_threads(threads)

@@ -15,9 +15,9 @@ from kiln.ir.graph import Phase
 from kiln.ops.registry import Kind
 from kiln.passes import regions as regions_pass
 from kiln.passes.dispatch import dispatch
-from kiln.passes.regions import Region, fuse_regions, group, structural_key
+from kiln.passes.regions import Region, group, structural_key
 from kiln.runtime.codegen import generate
-from tests.passes.graphs import aten, graph_with_inputs
+from tests.passes.graphs import aten, fuse_regions, graph_with_inputs
 
 NAMES = ("inductor", "aten")
 pytestmark = pytest.mark.inductor
