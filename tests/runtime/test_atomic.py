@@ -122,6 +122,7 @@ def test_an_interrupt_at_every_line_leaves_all_old_or_all_new(name):
             moved = [i for i, (a, b) in enumerate(zip(got, old)) if not torch.equal(a, b)]
             pytest.fail(f"{name}: an interrupt at line event {k} of {lines} left a half-updated state: "
                         f"tensors {moved} of {len(old)} changed")
+    print(f"{name}: {sum(outcomes.values())} interrupts over {lines} line events: {outcomes}")   # with -s
     assert outcomes["old"] and outcomes["new"], outcomes
 
 
