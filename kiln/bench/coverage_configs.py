@@ -55,12 +55,14 @@ def entries() -> list[Entry]:
 
 # ---- config shrinking ------------------------------------------------------------------------------
 LAYER_KEYS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
-              "num_decoder_layers", "num_encoder_layers", "depth", "layers", "num_text_layers", "num_vision_layers"}
+              "num_decoder_layers", "num_encoder_layers", "depth", "layers", "num_text_layers", "num_vision_layers",
+              "num_self_attends_per_block"}
 HIDDEN_KEYS = {"hidden_size", "d_model", "n_embd", "dim", "word_embed_proj_dim", "embedding_size", "text_hidden_size",
                "encoder_hidden_size", "out_hidden_size", "projector_hidden_size", "hidden_dim", "attention_hidden_size",
                "decoder_hidden_size", "output_hidden_size", "pooler_hidden_size", "projection_dim", "mm_hidden_size",
                "vision_output_dim", "emb_dim", "codebook_dim", "audio_hidden_size", "text_embed_dim", "vision_embed_dim", "hidden_size_global",
-               "embed_dim", "projection_hidden_dim", "cross_attention_hidden_size", "d_embed", "image_text_hidden_size"}
+               "embed_dim", "projection_hidden_dim", "cross_attention_hidden_size", "d_embed", "image_text_hidden_size",
+               "d_latents"}
 HEAD_KEYS = {"num_attention_heads", "num_heads", "n_head", "n_heads", "encoder_attention_heads", "attention_heads",
              "decoder_attention_heads", "swa_num_attention_heads", "index_n_heads", "resampler_n_heads",
              "linear_num_value_heads", "linear_num_heads", "num_attention_heads_global"}
@@ -85,7 +87,7 @@ SMALL_DIMS = {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "qk_head_dim": 16, "
               "first_k_dense_replace": 1, "num_dense_layers": 1, "max_window_layers": LAYERS,
               "moe_num_shared_experts": 1, "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 2, "topk_group": 1,
               "num_expert_group": 2, "topk_group_size": 1, "num_nextn_predict_layers": 1, "linear_conv_kernel_dim": 4,
-              "rotary_dim": 8, "rotary_emb_base": None, "output_dim": 32, "num_filters": 16}
+              "rotary_dim": 8, "rotary_emb_base": None, "output_dim": 32, "num_filters": 16, "num_latents": 8}
 EXPERT_KEYS = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_total"}
 TOPK_KEYS = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k", "num_selected_experts"}
 CONV_LIST_KEYS = {"conv_kernel", "conv_stride", "conv_dim", "tdnn_kernel", "tdnn_dilation", "tdnn_dim", "strides",
