@@ -156,7 +156,7 @@ def _export(wrapper, args, kwargs, stack: list[str]):
     except KilnError:
         raise
     except Exception as second:
-        if not branches.data_dependent(second):
+        if not branches.data_dependent(second) and _raised_by_model(second):
             raise                       # what the model itself does with this batch's values (its own raise)
         stack[:] = where
         raise first from None
@@ -255,6 +255,16 @@ def _module_tracker(model: torch.nn.Module, stack: list[str]):
 def _pop(stack: list) -> None:   # a forward hook must return None, or it replaces the output
     if stack:
         stack.pop()
+
+
+def _raised_by_model(e: BaseException) -> bool:
+    """Whether the innermost frame of `e` is the model's code (a `raise` or `assert` of its own), not
+    torch's or Kiln's."""
+    import os
+    import traceback
+    frames = traceback.extract_tb(e.__traceback__)
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    return bool(frames) and not frames[-1].filename.startswith(skip)
 
 
 def _user_frame(e: BaseException) -> str:
