@@ -24,13 +24,14 @@ from kiln.errors import UnsupportedError
 aten = torch.ops.aten
 
 
-def _schema(n):
+def schema_of(n):
+    """The ATen schema of an FX call node (None for Python functions and other nodes)."""
     return n.target._schema if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) else None
 
 
 def _is_view(n) -> bool:
     """A node whose result aliases its first argument without writing it (view, select, detach, ...)."""
-    s = _schema(n)
+    s = schema_of(n)
     if s is None or not s.returns or not s.arguments or not n.args:
         return False
     ret, arg = s.returns[0].alias_info, s.arguments[0].alias_info
@@ -39,7 +40,7 @@ def _is_view(n) -> bool:
 
 def _mutates(n, value) -> bool:
     """Whether node `n` writes `value` in place (its first argument, annotated as written)."""
-    s = _schema(n)
+    s = schema_of(n)
     return (s is not None and bool(s.arguments) and n.args and n.args[0] is value
             and s.arguments[0].alias_info is not None and s.arguments[0].alias_info.is_write)
 
@@ -61,13 +62,14 @@ def _root(n):
     return n
 
 
-def _derived_from(seeds: set) -> Callable[[object], bool]:
-    graph_nodes = next(iter(seeds)).graph.nodes if seeds else []
-    reach = set(seeds)
-    for n in graph_nodes:
-        if any(a in reach for a in n.all_input_nodes):
+def from_parameters(ep) -> set:
+    """The FX nodes of `ep` whose values are computed from a parameter (the parameters included)."""
+    params = set(ep.graph_signature.inputs_to_parameters)
+    reach: set = set()
+    for n in ep.graph.nodes:
+        if (n.op == "placeholder" and n.name in params) or any(a in reach for a in n.all_input_nodes):
             reach.add(n)
-    return lambda n: n in reach
+    return reach
 
 
 def own_mutated_detaches(ep, line_of: Callable[[object], str]) -> bool:
@@ -75,7 +77,6 @@ def own_mutated_detaches(ep, line_of: Callable[[object], str]) -> bool:
     whether the graph changed."""
     g = ep.graph
     order = {n: i for i, n in enumerate(g.nodes)}
-    params = {n for n in g.nodes if n.op == "placeholder" and n.name in ep.graph_signature.inputs_to_parameters}
     from_params = None
     changed = False
     for d in [n for n in g.nodes if n.op == "call_function" and n.target is aten.detach.default]:
@@ -88,8 +89,8 @@ def own_mutated_detaches(ep, line_of: Callable[[object], str]) -> bool:
         later = [u for a in _views_of(base) - family for u in a.users
                  if u not in family and order.get(u, -1) > first]
         if later:
-            from_params = from_params or _derived_from(params)
-            if any(from_params(a) for w in writes for a in w.all_input_nodes if a not in family):
+            from_params = from_params if from_params is not None else from_parameters(ep)
+            if any(a in from_params for w in writes for a in w.all_input_nodes if a not in family):
                 raise UnsupportedError(
                     f"an in-place update of a `.detach()`ed tensor writes a value that needs gradients, and the "
                     f"original tensor is read afterwards ({line_of(writes[0])}); Kiln cannot give both the "

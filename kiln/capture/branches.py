@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from kiln.capture.aliasing import from_parameters, schema_of
 from kiln.errors import UnsupportedError
 
 aten = torch.ops.aten
@@ -51,14 +52,8 @@ def parameter_dependent(ep) -> bool:
     """Whether some recorded decision depends on a parameter's value. Real-tensor propagation does not
     see parameters' values (torch 2.13 decides `if self.weight.sum() > 0` as if they were zero), so such a
     decision cannot be trusted; the capture reports the original failure instead."""
-    params = set(ep.graph_signature.inputs_to_parameters)
-    tainted = set()
-    for n in ep.graph.nodes:
-        if (n.op == "placeholder" and n.name in params) or any(a in tainted for a in n.all_input_nodes):
-            tainted.add(n)
-        if n.op == "call_function" and n.target is _ASSERT and n in tainted:
-            return True
-    return False
+    tainted = from_parameters(ep)
+    return any(n.op == "call_function" and n.target is _ASSERT and n in tainted for n in ep.graph.nodes)
 
 
 def guard_only(fx_graph) -> set:
@@ -69,21 +64,12 @@ def guard_only(fx_graph) -> set:
     for n in reversed(list(fx_graph.nodes)):
         if n.op != "call_function" or not n.users:
             continue
-        s = _schema(n)
-        if s is not None and (s.is_mutable or n.target in _RANDOM):
+        s = schema_of(n)
+        if s is not None and (s.is_mutable or torch.Tag.nondeterministic_seeded in n.target.tags):
             continue
         if all(u in only or (u.op == "call_function" and u.target is _ASSERT) for u in n.users):
             only.add(n)
     return only
-
-
-def _schema(n):
-    return n.target._schema if isinstance(n.target, torch._ops.OpOverload) else None
-
-
-_RANDOM = {aten.rand.default, aten.randn.default, aten.bernoulli.default, aten.bernoulli.p, aten.dropout.default,
-           aten.native_dropout.default, aten.randint.low, aten.randint.default, aten.normal.Tensor_float,
-           aten.multinomial.default, aten.randperm.default, aten.rand_like.default, aten.randn_like.default}
 
 
 class Decision:

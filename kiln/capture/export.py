@@ -257,22 +257,24 @@ def _pop(stack: list) -> None:   # a forward hook must return None, or it replac
         stack.pop()
 
 
+def _ours(filename: str) -> bool:
+    """Whether a source file is torch's or Kiln's (not the user's model)."""
+    import os
+    return filename.startswith((os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__))))
+
+
 def _raised_by_model(e: BaseException) -> bool:
     """Whether the innermost frame of `e` is the model's code (a `raise` or `assert` of its own), not
     torch's or Kiln's."""
-    import os
     import traceback
     frames = traceback.extract_tb(e.__traceback__)
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    return bool(frames) and not frames[-1].filename.startswith(skip)
+    return bool(frames) and not _ours(frames[-1].filename)
 
 
 def _user_frame(e: BaseException) -> str:
     """file:line and code of the innermost frame outside torch and kiln."""
-    import os
     import traceback
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not _ours(f.filename)]
     if frames:
         f = frames[-1]
         return f"{f.filename}:{f.lineno}" + (f": `{f.line.strip()}`" if f.line else "")
@@ -281,7 +283,7 @@ def _user_frame(e: BaseException) -> str:
     lines = str(e).splitlines()
     found = [(m.group(1), m.group(2), lines[i + 1].strip() if i + 1 < len(lines) else "")
              for i, line in enumerate(lines) if (m := re.match(r'\s*File "([^"]+)", line (\d+)', line))
-             and not m.group(1).startswith(skip)]
+             and not _ours(m.group(1))]
     if not found:
         return ""
     file, line, code = found[-1]
