@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Callable | None = None,
             dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
             max_programs: int = 8, verify: bool = False, tuning: str | None = None,
-            nonfinite: str = "raise") -> CompiledStep:
+            nonfinite: str = "raise", dynamic=None, fail_on_max_programs: bool = False) -> CompiledStep:
     """Compile `model`'s training step.
 
     Args:
@@ -38,7 +38,15 @@ def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Call
             the optimizer and optimizer state stay fp32; ops run in the dtype their cast class says.
         amp_overrides: {op name or module path: "lower" | "fp32" | "follow"}, e.g.
             {"aten._softmax": "lower"} or {"model.layers.0.mlp": "fp32"}; the most specific path wins.
-        max_programs: how many input signatures (shapes/dtypes) may be compiled before step() refuses.
+        max_programs: how many programs (one per input structure and shapes; a dynamic program serves many
+            shapes) are kept. Beyond it the least recently used one is dropped, with one warning, and new
+            programs are compiled for dynamic sizes; `fail_on_max_programs=True` raises `InputError` instead.
+        dynamic: which sizes a program may vary. None (default): the first batch compiles for its exact
+            sizes; once a batch of the same structure comes with other sizes, one program with every
+            dimension dynamic (those the model fixes stay static) serves them all. True: dynamic from the
+            first batch. False: one program per distinct shape. A dict names the dynamic dimensions, e.g.
+            {"input_ids": {1: "seq"}, "labels": {1: "seq"}} (positional arguments by index); dimensions with
+            one name are one size. `step.cache_info()` lists the programs, their symbolic sizes and guards.
         verify: run the graph verifier after every pass (slower compiles; for debugging).
         tuning: when kernels that are only sometimes faster than ATen's (Inductor regions, oneDNN) are
             compiled and measured on CPU. "online" (default, or $KILN_TUNING): the first step runs at
@@ -62,7 +70,7 @@ def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Call
     """
     return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
                         verify=verify, amp=amp, amp_overrides=amp_overrides, tuning=tuning,
-                        nonfinite=nonfinite)
+                        nonfinite=nonfinite, dynamic=dynamic, fail_on_max_programs=fail_on_max_programs)
 
 
 def explain(step: CompiledStep, file=None, profile: bool = False) -> str:

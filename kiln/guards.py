@@ -19,6 +19,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.ops.registry import Cast, Kind, OpDef, register
+from kiln.ir.symbolic import hint
 
 NONFINITE = ("raise", "skip", "ignore")
 
@@ -66,7 +67,7 @@ def check_finite(loss: torch.Tensor, grads: list, names: tuple, mode: str) -> No
 
 CHECK_FINITE = register(OpDef("kiln.check_finite", (check_finite,), None, Kind.OPTIMIZER, Cast.FP32,
                               differentiable=False, side_effects=True, infer=lambda args, kwargs: [],
-                              cost=lambda n: float(sum(g.meta.numel for g in n.args[1])),
+                              cost=lambda n: float(sum(hint(g.meta.numel) for g in n.args[1])),
                               doc="raises (or skips the step) when the loss or a gradient is not finite"))
 
 

@@ -19,6 +19,7 @@ from kiln.errors import KilnError
 from kiln.ir.graph import Value
 from kiln.ops.registry import Cast, Kind, OpDef, register
 from kiln.transaction import stage, stage_first
+from kiln.ir.symbolic import hint
 
 aten = torch.ops.aten
 
@@ -101,15 +102,15 @@ def _no_outputs(args, kwargs):
 
 ADAMW = register(OpDef("kiln.adamw_update", (adamw_update,), None, Kind.OPTIMIZER, Cast.FP32,
                        differentiable=False, side_effects=True, infer=_no_outputs,
-                       cost=lambda n: 10.0 * n.args[0].meta.numel,
+                       cost=lambda n: 10.0 * hint(n.args[0].meta.numel),
                        doc="in-place AdamW step of one parameter and its state"))
 ADAMW_MULTI = register(OpDef("kiln.adamw_update_multi", (adamw_update_multi,), None, Kind.OPTIMIZER, Cast.FP32,
                              differentiable=False, side_effects=True, infer=_no_outputs,
-                             cost=lambda n: 10.0 * sum(p.meta.numel for p in n.args[0]),
+                             cost=lambda n: 10.0 * sum(hint(p.meta.numel) for p in n.args[0]),
                              doc="in-place AdamW step of a list of parameters (one multi-tensor kernel)"))
 SGD_OP = register(OpDef("kiln.sgd_update", (sgd_update,), None, Kind.OPTIMIZER, Cast.FP32,
                         differentiable=False, side_effects=True, infer=_no_outputs,
-                        cost=lambda n: 4.0 * n.args[0].meta.numel,
+                        cost=lambda n: 4.0 * hint(n.args[0].meta.numel),
                         doc="in-place SGD (momentum, nesterov, weight decay) step of one parameter"))
 
 

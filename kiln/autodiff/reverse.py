@@ -13,6 +13,7 @@ from kiln.errors import UnsupportedError
 from kiln.ir.builder import Builder
 from kiln.ir.graph import Graph, Phase, Value, tree_values
 from kiln.ops.common import ZERO, cast, sum_to
+from kiln.ir.symbolic import same
 
 aten = torch.ops.aten
 
@@ -43,7 +44,7 @@ def differentiate(graph: Graph, loss: Value, wrt: list[Value], seed: Value | Non
     def accumulate(v: Value, g) -> None:
         if g is None or g is ZERO or v not in req:
             return
-        if list(g.meta.shape) != list(v.meta.shape):
+        if not same(g.meta.shape, v.meta.shape):
             g = sum_to(b, g, v.meta.shape)            # the input was broadcast
         if g.meta.dtype.is_complex and not v.meta.dtype.is_complex:
             g = b(aten.real.default, g)               # a real input of a complex op: the real part

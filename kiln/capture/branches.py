@@ -23,6 +23,7 @@ import torch
 
 from kiln.capture.aliasing import from_parameters, schema_of
 from kiln.errors import UnsupportedError
+from kiln.ir import symbolic
 
 aten = torch.ops.aten
 
@@ -94,7 +95,7 @@ class Decision:
                 self.steps.append(n)
                 return
             val = n.meta.get("val")
-            if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+            if not isinstance(val, torch.Tensor) or symbolic.unbacked(val):
                 raise UnsupportedError(f"a decision on tensor values ({line}) reads {n.op} {n.target}, which the "
                                        "training step also computes and Kiln cannot check at run time; branch on "
                                        "shapes, or use torch.where")

@@ -132,27 +132,29 @@ def refuse_packed_sequences():
         PackedSequence.__new__ = original
 
 
-def composites(graph: torch.fx.Graph, registered) -> dict:
-    """Table entries for the ops in `graph` that Kiln declares nothing for (`registered(op)` is False) but
-    PyTorch defines as a composite of other ops (a CompositeImplicitAutograd kernel: einsum, square,
-    ...). Eager autograd differentiates exactly that composite, so writing it out gives eager's own
-    gradient, where the opaque autograd fallback would run the op's kernel in another layout."""
-    defaults = None
+def composites(registered) -> dict:
+    """Table entries for every op that Kiln declares nothing for (`registered(op)` is False) but PyTorch
+    defines as a composite of other ops (a CompositeImplicitAutograd kernel: einsum, square, ...). Eager
+    autograd differentiates exactly that composite, so writing it out gives eager's own gradient, where the
+    opaque autograd fallback would run the op's kernel in another layout. The table holds every such op,
+    not only the graph's: a composite written with further composites (cross_entropy_loss -> log_softmax,
+    nll_loss_nd -> nll_loss) is written out in the same single decomposition."""
     out = {}
-    for n in graph.nodes:
-        op = n.target
-        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op in out or registered(op):
+    for op, fn in torch.export.default_decompositions().items():
+        if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten" or registered(op):
             continue
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
-            continue
-        defaults = torch.export.default_decompositions() if defaults is None else defaults
-        if op in defaults:
-            out[op] = defaults[op]
+        if not all(str(r.type) == "Tensor" or str(r.type).startswith("Tensor") for r in op._schema.returns):
+            continue                     # sizes and other Python values (sym_size, size.int) are not ops to write out
+        if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+            out[op] = fn
     return out
 
 
-def table() -> dict:
+def table(registered) -> dict:
+    """The decompositions capture runs once: composites Kiln has no rule for, and recurrent layers written
+    out (Kiln's own, below, taking precedence)."""
     return {
+        **composites(registered),
         aten.lstm.input: lstm,
         aten.gru.input: gru,
         aten.rnn_tanh.input: _rnn(torch.tanh),

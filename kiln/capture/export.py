@@ -8,6 +8,7 @@ buffer mutations (BatchNorm running statistics) become the graph's `mutations`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from kiln.capture import aliasing, branches, decomps, functions
 from kiln.errors import CaptureError, KilnError, UnsupportedError
 from kiln.guards import BRANCH_GUARD, branch_guard
+from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Node, Phase, Role, TensorMeta, Value
 from kiln.ops import registry
 
@@ -50,17 +52,45 @@ def extract_loss(out: Any) -> torch.Tensor:
 
 
 class LossModule(torch.nn.Module):
-    """model + loss as one module, so export sees parameters under `model.`."""
+    """model + loss as one module, so export sees parameters under `model.`. Its forward takes the step's
+    tensors only, flat (`leaves`/`spec`: the call's flattened arguments; `slots`: where the tensors go),
+    so each can be given dynamic dimensions; the other arguments (Python numbers, strings, None) are
+    constants of the program, part of its cache key."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, leaves: list | None = None,
+                 spec=None, slots: list[int] | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self._call = (leaves, spec, slots)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *tensors):
+        leaves, spec, slots = self._call
+        if spec is None:                    # called like the model itself
+            args, kwargs = tensors, {}
+        else:
+            filled = list(leaves)
+            for i, t in zip(slots, tensors):
+                filled[i] = t
+            args, kwargs = pytree.tree_unflatten(filled, spec)
         if self.loss_fn is not None:
             return extract_loss(self.loss_fn(self.model, *args, **kwargs))
         return extract_loss(self.model(*args, **kwargs))
+
+
+def leaf_names(args: tuple, kwargs: dict) -> list[str]:
+    """A readable name per flattened argument leaf: `input_ids`, `arg0`, `pixel_values_1` (nested)."""
+    paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    names = []
+    for path, _leaf in paths:
+        parts = []
+        for k in path[1:]:
+            v = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+            parts.append(str(v))
+        if path and getattr(path[0], "idx", None) == 0 and parts:
+            parts[0] = f"arg{parts[0]}"
+        names.append("_".join(parts) or "input")
+    return names
 
 
 @contextlib.contextmanager
@@ -93,24 +123,25 @@ def _meta(val: Any) -> TensorMeta | None:
     return TensorMeta.of(val) if isinstance(val, torch.Tensor) else None
 
 
-def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwargs: dict) -> tuple[Graph, dict]:
+def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwargs: dict,
+            dims: dict[int, dict] | None = None) -> tuple[Graph, dict]:
     """Export model+loss on (args, kwargs). Returns the forward graph (outputs[0] is the loss) and
-    {lifted constant name: tensor}."""
-    wrapper = LossModule(model, loss_fn)
+    {lifted constant name: tensor}. `dims`: {flattened leaf index: {dim: torch.export.Dim}} for the
+    dimensions to capture symbolically (kiln/runtime/shapes.py decides them); None: every size static."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    wrapper = LossModule(model, loss_fn, leaves, spec, slots)
+    tensors = tuple(leaves[i] for i in slots)
+    dynamic = {"tensors": tuple((dims or {}).get(i) for i in slots)} if dims else None
     stack: list[str] = []
     try:
         with _training_config(model), _module_tracker(model, stack), _quiet_torch_logs(), \
                 functions.honour_autograd_functions(), _capturable_ctc(), _no_causal_mask_detection(), \
                 decomps.refuse_packed_sequences():
-            ep = _export(wrapper, args, kwargs, stack)
+            ep = _export(wrapper, tensors, dynamic, stack)
         _detach_no_grad_regions(ep)
         aliasing.own_mutated_detaches(ep, lambda fx: f"in {_scope(fx) or type(model).__name__}, {_user_line(fx)}")
-        ep = ep.run_decompositions(decomps.table())
-        for _ in range(3):              # a composite may be written with further composites
-            more = decomps.composites(ep.graph, _handled)
-            if not more:
-                break
-            ep = ep.run_decompositions(more)
+        ep = ep.run_decompositions(_decompositions())     # one pass: functional ATen, composites written out
     except KilnError:
         raise
     except Exception as e:
@@ -119,8 +150,27 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
             cause = cause.__cause__ or cause.__context__
         if cause is not None:
             raise cause from None
+        if _constraint_violation(e):
+            raise UnsupportedError(_describe_violation(e, leaf_names(args, kwargs), slots)) from None
         raise CaptureError(_describe_failure(model, stack, e)) from e
-    return _to_kiln(ep, model)
+    return _to_kiln(ep, model, slots, leaf_names(args, kwargs))
+
+
+def _constraint_violation(e: BaseException) -> bool:
+    """Whether export refused a dimension the user asked to be dynamic (the model needs it fixed)."""
+    return "Constraints violated" in str(e) or type(e).__name__ == "ConstraintViolationError"
+
+
+def _describe_violation(e: BaseException, names: list[str], slots: list[int]) -> str:
+    import re
+    text = str(e)
+    for k, i in enumerate(slots):        # export names the inputs tensors[k]: say which argument that is
+        text = re.sub(rf"\[['\"]?tensors['\"]?\]\[{k}\]", f"[{names[i]!r}]", text)
+        text = text.replace(f"tensors[{k}]", names[i])
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("For more")]
+    return ("a dimension given as dynamic (kiln.compile(..., dynamic={...})) cannot be: the model's code fixes "
+            "its size or ties it to another. Drop it from the spec, or name tied dimensions alike. torch.export "
+            "says:\n  " + "\n  ".join(lines[:12]))
 
 
 CTC_HINT = ("Hugging Face CTC heads check the labels' values and select targets by a mask; call the model "
@@ -130,6 +180,11 @@ CTC_HINT = ("Hugging Face CTC heads check the labels' values and select targets 
             "zero_infinity=model.config.ctc_zero_infinity)` with tensor lengths (docs/model-coverage.md)")
 
 
+@functools.cache
+def _decompositions() -> dict:
+    return decomps.table(_handled)
+
+
 def _handled(op) -> bool:
     """Whether Kiln has something for `op` of its own: a declaration in kiln.ops, or a dialect lowering
     (scaled_dot_product_attention, ...). Other composites are written out at capture."""
@@ -137,12 +192,12 @@ def _handled(op) -> bool:
     return registry.registered(op) or op in dialect_registry.lowered_targets()
 
 
-def _export(wrapper, args, kwargs, stack: list[str]):
+def _export(wrapper, tensors: tuple, dynamic, stack: list[str]):
     """torch.export; where it fails on a Python decision on tensor values, again with the example's values
     deciding (kiln/capture/branches.py). If that fails on values too (a shape that depends on them), the
     first failure is reported; if the model itself raises on this batch, that error is."""
     try:
-        return torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
+        return torch.export.export(wrapper, tensors, dynamic_shapes=dynamic, strict=False)
     except KilnError:
         raise
     except Exception as e:
@@ -152,7 +207,7 @@ def _export(wrapper, args, kwargs, stack: list[str]):
     try:
         stack.clear()
         with branches.values_decide():
-            ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
+            ep = torch.export.export(wrapper, tensors, dynamic_shapes=dynamic, strict=False)
     except KilnError:
         raise
     except Exception as second:
@@ -307,7 +362,8 @@ def _describe_failure(model, stack: list[str], e: Exception) -> str:
 
 
 def _static(t: torch.Tensor) -> bool:
-    return all(isinstance(d, int) for d in t.shape) and all(isinstance(d, int) for d in t.stride())
+    """Whether t's shape is set by input sizes alone (static, or symbolic in the input sizes), not by values."""
+    return not symbolic.unbacked(t)
 
 
 def _user_line(fx) -> str:
@@ -325,7 +381,7 @@ class _FromValues:
         self.fx = fx
 
 
-def _to_kiln(ep, model) -> tuple[Graph, dict]:
+def _to_kiln(ep, model, slots: list[int], names: list[str]) -> tuple[Graph, dict]:
     g = Graph()
     sig = ep.graph_signature
     env: dict[str, Any] = {}
@@ -345,8 +401,8 @@ def _to_kiln(ep, model) -> tuple[Graph, dict]:
             constants[fx.name] = ep.constants[spec.target]
             env[fx.name] = g.add_input(fx.name, meta, Role.CONSTANT, fx.name)
         elif spec.kind is InputKind.USER_INPUT:
-            env[fx.name] = g.add_input(fx.name, meta, Role.INPUT, str(leaf_index)) if meta is not None \
-                else fx.meta.get("val")
+            leaf = slots[leaf_index]            # LossModule takes the tensors of the flattened call
+            env[fx.name] = g.add_input(names[leaf], meta, Role.INPUT, str(leaf))
             leaf_index += 1
         else:
             raise UnsupportedError(f"unsupported graph input kind {spec.kind} ({spec.target})")
@@ -368,7 +424,10 @@ def _to_kiln(ep, model) -> tuple[Graph, dict]:
             continue
         vals = fx.meta.get("val")
         if isinstance(vals, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            env[fx.name] = _FromValues(fx)  # a Python number read from tensor values: refused where an op uses it
+            if symbolic.unbacked(vals):     # a Python number read from tensor values: refused where an op uses it
+                env[fx.name] = _FromValues(fx)
+            else:                           # a size computed from input sizes: an expression in the program
+                env[fx.name] = symbolic.concrete(vals)
             continue
         if not isinstance(fx.target, torch._ops.OpOverload):
             raise UnsupportedError(f"captured a call to {fx.target} (in {_scope(fx) or '<top>'}); Kiln handles "

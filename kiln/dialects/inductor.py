@@ -42,6 +42,8 @@ from torch._ops import OpOverload
 
 from kiln.dialects import measure, tuning
 from kiln.dialects.registry import dialect, region_provider
+from kiln.ir import symbolic
+from kiln.ir.symbolic import hint
 from kiln.ops.registry import Kind
 
 log = logging.getLogger("kiln")
@@ -214,8 +216,7 @@ def _go_online(folder: Path, pending: dict[str, list], tuner: tuning.Tuner) -> N
     """Regions not measured here yet, tuning online: they run their ATen ops from the first step (timed);
     a background worker compiles the kernels not in the cache; once it is done, each kernel is measured
     against its ATen ops on the step's own calls and kept only if faster (`_Online`)."""
-    jobs = {key: (to_fx(group[0]), [_meta(v.meta) for v in group[0].inputs])
-            for key, group in pending.items() if not _cached(folder, key)}
+    jobs = {key: job(group[0]) for key, group in pending.items() if not _cached(folder, key)}
     worker = None
     if jobs:
         try:
@@ -313,7 +314,8 @@ class _Online:
             out = region.reference(*args)
             self.first.append((time.perf_counter() - t) * 1e3)
             return out
-        out = self.trial.run({"aten_ms": lambda: region.reference(*args), "compiled_ms": lambda: region.run_kernel(args)})
+        out = self.trial.run({"aten_ms": lambda: region.reference(*args), "compiled_ms": lambda: region.run_kernel(args)},
+                             scale=region.scale(args))
         if region.failed is not None:         # the kernel broke (logged by the region): nothing to measure
             self._settle("failed", None, region.failed)
         return out
@@ -372,7 +374,7 @@ def _measured(folder: Path, key: str, region, kernel=None) -> dict:
         timing = {}
     if timing and (kernel is None or "compiled_ms" in timing):
         return timing
-    args = [measure.example(v.meta) for v in region.inputs]
+    args = [hint(s) for s in region.size_args] + [measure.example(v.meta) for v in region.inputs]
     fns = {"aten_ms": lambda: region.reference(*args)}
     if kernel is not None:
         fns["compiled_ms"] = lambda: kernel(list(args))
@@ -412,14 +414,20 @@ def codegen_facts() -> dict[str, str]:
 
 
 def to_fx(region) -> torch.fx.GraphModule:
-    """The region as an FX graph of its ATen ops: one placeholder per input, a tuple of its outputs."""
+    """The region as an FX graph of its ATen ops: one placeholder per symbolic size (`z0`, ...: ints at run
+    time), then one per input, and a tuple of its outputs. Sizes in the ops' arguments are computed from the
+    size placeholders, so the graph holds no SymInt of the program's and can be pickled."""
+    from kiln.ir.graph import Value
     g = torch.fx.Graph()
+    names = symbolic.canonical(region.sizes)
+    sym_nodes = {names[s]: g.placeholder(str(names[s])) for s in region.sizes}
     env = {v.uid: g.placeholder(f"in{i}") for i, v in enumerate(region.inputs)}
 
     def arg(x):
-        from kiln.ir.graph import Value
         if isinstance(x, Value):
             return env[x.uid]
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return symbolic.to_fx(symbolic.rename(x, names), g, sym_nodes)
         if isinstance(x, (list, tuple)):
             return type(x)(arg(i) for i in x)
         return x
@@ -440,30 +448,99 @@ def _returns_sequence(t: OpOverload) -> bool:
     return len(rets) != 1 or str(rets[0].type).startswith("List")
 
 
+def job(region) -> tuple:
+    """What compiling `region` takes (picklable, for a background worker): its FX graph, and per placeholder
+    ("size", hint) or (shape, stride, dtype, device) with symbolic sizes over the canonical `z` symbols."""
+    names = symbolic.canonical(region.sizes)
+    sizes = [("size", hint(s)) for s in region.size_args]
+    return to_fx(region), sizes + [_meta(v.meta, names) for v in region.inputs]
+
+
 def _compile_source(region) -> str:
-    return compile_graph(to_fx(region), [_meta(v.meta) for v in region.inputs])
+    return compile_graph(*job(region))
 
 
-def _meta(m) -> tuple:
-    return (tuple(m.shape), tuple(m.stride), m.dtype, m.device)
+def _meta(m, names: dict | None = None) -> tuple:
+    names = names or {}
+    return (tuple(symbolic.rename(m.shape, names)), tuple(symbolic.rename(m.stride, names)), m.dtype, m.device)
 
 
 def compile_graph(fx: torch.fx.GraphModule, metas: list[tuple]) -> str:
-    """Inductor's generated wrapper source for `fx` (ATen ops) on inputs of `metas` (shape, stride, dtype,
-    device): decomposed with Inductor's table on fake tensors, then compiled."""
+    """Inductor's generated wrapper source for `fx` (ATen ops) on inputs of `metas` (see `job`): decomposed
+    with Inductor's table on fake tensors, then compiled. With symbolic sizes, the kernel is compiled for
+    every size (one ShapeEnv symbol per `z`), and the guards Inductor records (sizes its code needs, e.g. a row
+    short enough for a vectorized reduction) are written into the source as `KILN_GUARDS`: the region runs
+    its ATen ops for sizes they exclude."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
-    example = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in metas]
-    gm = make_fx(fx, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
-    compiled = compile_fx_inner(gm, example)
+    hints = [m[1] for m in metas if m[0] == "size"]
+    if not hints:
+        example = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in metas]
+        gm = make_fx(fx, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
+        compiled = compile_fx_inner(gm, example)
+        guards: list[str] = []
+    else:
+        from torch._guards import TracingContext, tracing
+        env, mode, ints, zs = _symbolic_inputs(hints)
+        subst = {z: i.node.expr for z, i in zip(zs, ints)}
+        with mode:
+            tensors = [torch.empty_strided(_sym(shape, subst, env), _sym(stride, subst, env), dtype=dtype, device=device)
+                       for shape, stride, dtype, device in metas[len(hints):]]
+            example = ints + tensors
+            gm = make_fx(fx, decomposition_table=select_decomp_table(), tracing_mode="real")(*example)
+        before = len(env.guards)
+        with tracing(TracingContext(mode)):
+            compiled = compile_fx_inner(gm, example)
+        back = {i.node.expr: z for z, i in zip(zs, ints)}
+        from torch.utils._sympy.printers import PythonPrinter
+        guards = [PythonPrinter().doprint(env.simplify(g.expr).xreplace(back)) for g in env.guards[before:]]
+        guards = [g for g in guards if g != "True"]
     source = getattr(compiled, "source_code", None)
     if not source:
         raise RuntimeError("Inductor returned no generated source")
-    return source
+    return f"KILN_GUARDS = {guards!r}\n" + source if hints else source
+
+
+def _symbolic_inputs(hints: list[int]):
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    ints = [env.create_symintnode(env.create_symbol(h, source=ConstantSource(f"z{i}"), dynamic_dim=DimDynamic.DYNAMIC),
+                                  hint=h) for i, h in enumerate(hints)]
+    zs = list(symbolic.canonical(list(range(len(hints)))).values())
+    return env, mode, ints, zs
+
+
+def _sym(sizes: tuple, subst: dict, env) -> tuple:
+    out = []
+    for s in sizes:
+        if isinstance(s, int):
+            out.append(s)
+        else:
+            e = s.xreplace(subst)
+            out.append(env.create_symintnode(e, hint=int(e.xreplace(env.backed_var_to_val))))
+    return tuple(out)
 
 
 _modules: dict[str, types.ModuleType] = {}     # sha256 of a loaded source -> its module
+
+
+class Kernel:
+    """A loaded region kernel compiled for symbolic sizes: `kernel(args)` runs Inductor's `call`;
+    `guard(sizes)` says whether a call's sizes (the region's leading arguments) are ones its compiler's
+    guards allow."""
+
+    def __init__(self, call, guards: list[str]):
+        import re
+        self.call = call
+        text = " and ".join("(" + re.sub(r"\bz(\d+)\b", r"sizes[\1]", g) + ")" for g in guards)
+        self.guard = eval(f"lambda sizes: {text}", {"math": __import__("math")})
+
+    def __call__(self, args):
+        return self.call(args)
 
 
 def _load_kernel(source: str):
@@ -479,7 +556,8 @@ def _load_kernel(source: str):
         mod = types.ModuleType(name)
         exec(code, mod.__dict__)
         _modules[digest] = mod
-    return mod.call
+    guards = getattr(mod, "KILN_GUARDS", [])
+    return Kernel(mod.call, guards) if guards else mod.call
 
 
 region_provider(INDUCTOR, accepts, compile_all, max_ops=64,

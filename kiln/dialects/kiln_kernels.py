@@ -17,6 +17,7 @@ from kiln.ir.graph import Value
 from kiln.ir.pattern import Lit, Op, Opt, Seq, V
 from kiln.kernels import OPS
 from kiln.ops.common import reshape, shape
+from kiln.ir.symbolic import hint, same
 
 KILN = dialect("kiln", priority=5, devices=("cpu", "cuda"),
                doc="Kiln's fused kernels: norms, SwiGLU, Linear+GELU, RoPE, chunked Linear+cross-entropy")
@@ -57,7 +58,7 @@ RMS_NORM = Op(MUL, T("w"), Opt(CAST, Op(MUL, V("xf"), Op(aten.rsqrt.default, Op(
 def build_rms_norm(b, matches):
     (m,) = matches
     x, w, normed = m["x"], m["w"], m["normed"]
-    if not (_last_dim(m["dims"], m["xf"]) and shape(w) == shape(x)[-1:] and w.is_float):
+    if not (_last_dim(m["dims"], m["xf"]) and same(shape(w), shape(x)[-1:]) and w.is_float):
         return None
     if m["xf"] is not x and not _is_cast(m["xf"], torch.float32):
         return None            # statistics in a dtype other than fp32: not the kernel's numerics
@@ -78,7 +79,7 @@ SWIGLU = Op(MUL, Op(aten.silu.default, T("gate")), T("up"), commutative=True)
 def build_swiglu(b, matches):
     (m,) = matches
     gate, up = m["gate"], m["up"]
-    if shape(gate) != shape(up) or gate.meta.dtype != up.meta.dtype:
+    if not same(shape(gate), shape(up)) or gate.meta.dtype != up.meta.dtype:
         return None            # broadcasting or mixed dtypes: the kernel takes neither
     return [b(kiln_ops.swiglu.default, gate, up)]
 
@@ -133,7 +134,8 @@ def build_linear_cross_entropy(b, matches):
     tokens = logits.meta.numel // shape(w)[0]
     if m["reduction"] not in REDUCTIONS or m["reduction"] == 0 or len(shape(w)) != 2:
         return None
-    if tokens * shape(w)[0] * 4 < LOGITS_BYTES_TO_FUSE or labels.meta.numel != tokens:
+    # a heuristic on the compiled batch's size (a hint: no guard); the fused kernel is right for any size
+    if hint(tokens) * hint(shape(w)[0]) * 4 < LOGITS_BYTES_TO_FUSE or not same(labels.meta.numel, tokens):
         return None
     hidden = reshape(b, h, [tokens, shape(h)[-1]])
     loss, _lse = b(kiln_ops.linear_cross_entropy.default, hidden, w, reshape(b, labels, [tokens]),

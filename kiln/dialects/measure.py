@@ -127,15 +127,16 @@ class Trial:
         base, new = (self.times[a] for a in self.arms)
         return len(base) >= self.early and len(new) >= self.early and clear_cut(base, new)
 
-    def run(self, fns: dict[str, Callable[[], object]]) -> object:
+    def run(self, fns: dict[str, Callable[[], object]], scale: float = 1.0) -> object:
         """Run the arm whose turn it is and time it (the first arm, untimed, while a background worker
-        compiles: its load on the cores would be measured too)."""
+        compiles: its load on the cores would be measured too). `scale`: this call's work relative to the
+        compiled sizes' (calls of a dynamic program differ in size): the sample is the time divided by it."""
         if self.busy is not None and self.busy():
             return fns[self.arms[0]]()
         arm = self.arm()
         t = self.clock()
         out = fns[arm]()
-        self.record(arm, (self.clock() - t) * 1e3)
+        self.record(arm, (self.clock() - t) * 1e3 / (scale or 1.0))
         return out
 
 
@@ -148,7 +149,8 @@ def faster_than_aten(impl, node, key: str | None = None, timing: dict | None = N
     known = timing is not None or (folder / f"{key}.timing.json").exists()
 
     def run() -> dict:
-        args, kwargs = tree_map_values(lambda v: example(v.meta), (node.args, node.kwargs))
+        from kiln.ir.symbolic import hinted
+        args, kwargs = hinted(tree_map_values(lambda v: example(v.meta), (node.args, node.kwargs)))
         return medians({"new_ms": lambda: impl.kernel(*args, **kwargs), "aten_ms": lambda: node.target(*args, **kwargs)})
     try:
         timing = timing or timed_once(folder, key, run)
@@ -170,9 +172,15 @@ def _log_decision(impl, node, timing: dict, chosen: bool, how: str) -> None:
 
 
 def kernel_key(impl, node) -> str:
-    """The cache key of `impl` on `node`'s shapes, strides and dtypes."""
-    from kiln.ir.graph import tree_map_values
-    sig = tree_map_values(lambda v: (v.meta.shape, str(v.meta.dtype), v.meta.stride) if v.meta else None,
+    """The cache key of `impl` on `node`'s shapes, strides and dtypes (symbolic sizes by their place among
+    the node's symbols, so every program's node of that structure shares it)."""
+    from kiln.ir import symbolic
+    from kiln.ir.graph import tree_map_values, tree_values
+    symbols = sorted(symbolic.free_symbols([(v.meta.shape, v.meta.stride) for v in tree_values((node.args, node.kwargs))
+                                            if v.meta is not None]), key=str)
+    names = symbolic.canonical(symbols)
+    sig = tree_map_values(lambda v: (str(symbolic.rename(v.meta.shape, names)), str(v.meta.dtype),
+                                     str(symbolic.rename(v.meta.stride, names))) if v.meta else None,
                           (node.args, node.kwargs))
     return hashlib.sha256(repr((impl.label, str(node.target), sig)).encode()).hexdigest()[:24]
 
@@ -219,6 +227,92 @@ class TrialImpl:
         kernel.__name__ = kernel.__qualname__ = getattr(new, "__name__", "kernel")
         return Impl(impl.dialect, impl.target, kernel=kernel, checker=impl.checker, priority=impl.priority,
                     name=impl.name, fallback=impl.fallback, trial=me)
+
+    def close(self) -> None:
+        """The owning step closed: an open measurement settles on ATen (not cached: nothing was decided)."""
+        if self.chosen is None:
+            self.chosen = False
+
+
+@dataclasses.dataclass(eq=False)
+class BucketedImpl:
+    """A measured kernel on a node with symbolic sizes (a dynamic program serves many sizes, and which
+    kernel is faster can change with them): chosen per size *bucket* at run time. A call's bucket is the
+    bit length of each tensor argument's element count (sizes within a factor of two share one choice).
+    Each bucket's decision is kept in the cache like any measured kernel's (the node's symbolic key plus the
+    bucket), so later runs decide at once; a bucket not in the cache is measured on its first call: tuning
+    ahead, then and there on that call's tensors; online, by a `Trial` over that bucket's calls."""
+
+    base: object                        # the dialect's registry.Impl
+    key: str
+    folder: Path
+    online: bool
+    busy: Callable[[], bool] | None = None
+    choices: dict = dataclasses.field(default_factory=dict)     # bucket -> True/False, or a Trial measuring
+    closed: bool = False
+
+    @property
+    def chosen(self) -> bool | None:
+        """None while a bucket is measured; else whether the dialect's kernel runs for some bucket."""
+        if any(isinstance(c, Trial) for c in self.choices.values()):
+            return None
+        return any(c is True for c in self.choices.values())
+
+    @classmethod
+    def of(cls, impl, node, key: str, folder: Path, online: bool, busy: Callable[[], bool] | None = None):
+        from kiln.dialects.registry import Impl
+        me = cls(impl, key, folder, online, busy)
+        new, aten = impl.kernel, node.target
+
+        def kernel(*args, **kwargs):
+            bucket = _bucket(args, kwargs)
+            choice = me.choices.get(bucket)
+            if choice is None:
+                choice = me.choices[bucket] = me._decide(bucket, node, new, aten, args, kwargs)
+            if choice is True:
+                return new(*args, **kwargs)
+            if choice is False:
+                return aten(*args, **kwargs)
+            return choice.run({"aten": lambda: aten(*args, **kwargs), "new": lambda: new(*args, **kwargs)})
+        kernel.__name__ = kernel.__qualname__ = getattr(new, "__name__", "kernel")
+        return Impl(impl.dialect, impl.target, kernel=kernel, checker=impl.checker, priority=impl.priority,
+                    name=impl.name, fallback=impl.fallback, trial=me)
+
+    def _decide(self, bucket: tuple, node, new, aten, args, kwargs):
+        name = f"{self.key}-{'-'.join(map(str, bucket))}.timing.json"
+        timing = cached_timing(self.folder / name)
+        if timing is None and self.closed:
+            return False
+        if timing is None and self.online:
+            def done(ms: dict[str, float]) -> None:
+                got = {"new_ms": ms["new"], "aten_ms": ms["aten"]}
+                write_atomic(self.folder, name, json.dumps(got))
+                self.choices[bucket] = worth_it(got["new_ms"], got["aten_ms"])
+                _log_decision(self.base, node, got, self.choices[bucket], f" (size bucket {bucket}), measured "
+                              "during training")
+            return Trial(("aten", "new"), done, busy=self.busy)
+        if timing is None:
+            try:
+                timing = medians({"new_ms": lambda: new(*args, **kwargs), "aten_ms": lambda: aten(*args, **kwargs)})
+            except Exception as exc:     # a kernel that cannot even be measured is not used for this bucket
+                log.warning("kiln: %s could not be measured on %s (%s: %s); using ATen", self.base.label,
+                            node.op.name, type(exc).__name__, exc)
+                return False
+            write_atomic(self.folder, name, json.dumps(timing))
+            _log_decision(self.base, node, timing, worth_it(timing["new_ms"], timing["aten_ms"]),
+                          f" (size bucket {bucket})")
+        return worth_it(timing["new_ms"], timing["aten_ms"])
+
+    def close(self) -> None:
+        """The owning step closed: buckets still measured, and new ones, run ATen's kernel (nothing cached)."""
+        self.closed = True
+        for b, c in list(self.choices.items()):
+            if isinstance(c, Trial):
+                self.choices[b] = False
+
+
+def _bucket(args, kwargs) -> tuple:
+    return tuple(t.numel().bit_length() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
 
 
 # ---- the cache: one folder per machine, used only when private, code loaded only when its hash is known ----
@@ -331,9 +425,11 @@ def _cpu_flags() -> str:
 def example(meta) -> torch.Tensor:
     """A tensor with `meta`'s shape, strides (broadcast zeros included), dtype and device: normal floats,
     ones otherwise. Drawn from a private generator: measuring must never move the user's random stream
-    (a seeded run's dropout masks would differ from eager's)."""
-    size = 1 + sum((n - 1) * st for n, st in zip(meta.shape, meta.stride) if n > 0)
-    if any(n == 0 for n in meta.shape):
+    (a seeded run's dropout masks would differ from eager's). Symbolic sizes take the compiled batch's."""
+    from kiln.ir.symbolic import hint
+    shape, stride = tuple(hint(meta.shape)), tuple(hint(meta.stride))
+    size = 1 + sum((n - 1) * st for n, st in zip(shape, stride) if n > 0)
+    if any(n == 0 for n in shape):
         size = 0
     flat = torch.empty(size, dtype=meta.dtype, device=meta.device)
     if meta.dtype.is_floating_point:
@@ -341,7 +437,7 @@ def example(meta) -> torch.Tensor:
         flat = flat.normal_(generator=gen)
     else:
         flat = flat.fill_(1)
-    return flat.as_strided(meta.shape, meta.stride)
+    return flat.as_strided(shape, stride)
 
 
 def medians(fns: dict[str, Callable[[], object]], runs: int = 5) -> dict[str, float]:

@@ -10,6 +10,7 @@ import torch
 from kiln.dialects.aten import expand_kv_heads, sdpa_args
 from kiln.dialects.registry import dialect, kernel, lowering
 from kiln.ir.graph import Role, depends_on
+from kiln.ir.symbolic import same
 
 aten = torch.ops.aten
 
@@ -26,7 +27,7 @@ def _flash_cpu_ok(n) -> bool:
     if mask is not None and depends_on(mask, {Role.PARAM}):
         return False          # a learned bias in the mask (T5): the fused backward gives it no gradient
     floats = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-    if not q.meta.shape[-1] == k.meta.shape[-1] == v.meta.shape[-1]:
+    if not (same(q.meta.shape[-1], k.meta.shape[-1]) and same(k.meta.shape[-1], v.meta.shape[-1])):
         return False          # the CPU kernel needs one head size (MLA attention has a wider q/k than v)
     return len(q.meta.shape) == 4 and q.meta.dtype in floats and k.meta.dtype == q.meta.dtype
 

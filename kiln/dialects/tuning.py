@@ -86,6 +86,12 @@ class Tuner:
         ATen is, or, tuning online with nothing known yet, a trial `Impl` measuring both during training."""
         key = measure.kernel_key(impl, node)
         folder = measure.cache_dir("kernels")
+        if any(v.meta is not None and v.meta.symbolic for v in node.inputs):   # a dynamic program: per size bucket
+            live = (str(folder), key)
+            if live not in self.trials:
+                self.trials[live] = measure.BucketedImpl.of(impl, node, key, folder, self.online(measure.device_of(node)),
+                                                            busy=lambda: busy(self))
+            return self.trials[live]
         timing = measure.cached_timing(folder / f"{key}.timing.json")
         if timing is None and self.online(measure.device_of(node)):
             live = (str(folder), key)
@@ -134,8 +140,7 @@ class Tuner:
             return
         self.stop()
         for impl in list(self.trials.values()):
-            if impl.trial.chosen is None:
-                impl.trial.chosen = False
+            impl.trial.close()
         self.trials.clear()
         self.closed = True
         _tuners.discard(self)

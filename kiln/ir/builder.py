@@ -16,11 +16,14 @@ check them on their first call).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch._ops import OpOverload
+from torch.utils._pytree import tree_leaves
 
+from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Node, Phase, Role, TensorMeta, Value, tree_map_values, tree_values
 from kiln.ops import registry
 
@@ -48,10 +51,15 @@ def viewable(v: Value) -> bool:
 
 
 def infer_metas(target: Any, args: tuple, kwargs: dict) -> list[TensorMeta | None]:
-    """Output metas of `target(*args, **kwargs)` where args hold Values."""
+    """Output metas of `target(*args, **kwargs)` where args hold Values: the op runs on meta tensors, or,
+    when a size is symbolic, on fake tensors of the program's ShapeEnv (kiln/ir/symbolic.py)."""
     if not isinstance(target, OpOverload):
         return registry.lookup(target).infer(args, kwargs)
     devices = [v.meta.device for v in tree_values((args, kwargs)) if v.meta is not None]
+    env = symbolic.shape_env([v.meta.shape for v in tree_values((args, kwargs)) if v.meta is not None] +
+                             [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.SymInt)])
+    if env is not None:
+        return _infer_symbolic(env, target, args, kwargs, devices)
     margs, mkwargs = tree_map_values(lambda v: v.meta.as_meta_tensor(), (args, kwargs))
     if "device" in mkwargs and mkwargs["device"] is not None:
         device = torch.device(mkwargs["device"])
@@ -62,6 +70,67 @@ def infer_metas(target: Any, args: tuple, kwargs: dict) -> list[TensorMeta | Non
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     return [TensorMeta(tuple(o.shape), o.dtype, tuple(o.stride()), device) if isinstance(o, torch.Tensor)
             else None for o in outs]
+
+
+def _infer_symbolic(env, target, args: tuple, kwargs: dict, devices: list) -> list[TensorMeta | None]:
+    """Metas of an op with symbolic sizes: run on fake tensors (of the inputs' real devices) in the ShapeEnv's
+    fake mode, so output sizes are expressions of the same symbols. Fake tensors are costly to make (their
+    sizes are symbolic arithmetic): one per distinct meta is kept on the ShapeEnv, and so is each distinct
+    inference (the repeated layers of a model ask the same ones)."""
+    memo = env.__dict__.setdefault("_kiln_metas", {})
+    try:
+        key = (target, _key((args, kwargs)))
+        hit = memo.get(key)
+    except TypeError:                       # an unhashable constant: not memoized
+        key, hit = None, None
+    if hit is not None:
+        return list(hit)
+    fakes = env.__dict__.setdefault("_kiln_fakes", {})
+    fresh = target._schema.is_mutable       # an in-place op may change its fake input: never a shared one
+
+    def fake(v):
+        m = v.meta
+        t = None if fresh else fakes.get(m)
+        if t is None:
+            t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device)
+            if not fresh:
+                fakes[m] = t
+        return t
+    with symbolic.fake_mode(env):
+        fargs, fkwargs = tree_map_values(fake, (args, kwargs))
+        out = _symbolic_impl(target)(*fargs, **fkwargs)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    metas = [TensorMeta.of(o) if isinstance(o, torch.Tensor) else None for o in outs]
+    if key is not None:
+        memo[key] = tuple(metas)
+    return metas
+
+
+@functools.cache
+def _symbolic_impl(target):
+    """What to run `target` as on fake tensors with symbolic sizes. An op without a C++ meta kernel runs its
+    C++ kernel on fake tensors, which may read sizes as plain ints (`constant_pad_nd` does): that would
+    specialize a dynamic size. Its Python meta registration or decomposition reads them as SymInts."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "Meta"):
+        return target
+    from torch._decomp import decomposition_table, meta_table
+    return meta_table.get(target) or decomposition_table.get(target) or target
+
+
+def _key(x: Any):
+    """A hashable description of an argument structure for memoized inference (Values by their metas)."""
+    if isinstance(x, Value):
+        return ("%", x.meta)
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_key(i) for i in x))
+    if isinstance(x, dict):
+        return tuple(sorted((k, _key(v)) for k, v in x.items()))
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("sym", str(symbolic.expr(x)))
+    if isinstance(x, float):
+        return ("f", x, str(x))
+    hash(x)
+    return (type(x).__name__, x)
 
 
 class Builder:

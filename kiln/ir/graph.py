@@ -15,38 +15,68 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
+from kiln.ir import symbolic
+
 if TYPE_CHECKING:  # pragma: no cover
     from kiln.dialects.registry import Impl
     from kiln.ops.registry import OpDef
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TensorMeta:
-    """Static facts about a tensor value: what shape inference and the printer need."""
+    """Static facts about a tensor value: what shape inference and the printer need. Sizes and strides are
+    ints, or `torch.SymInt`s in a program compiled for dynamic shapes (kiln/ir/symbolic.py)."""
 
-    shape: tuple[int, ...]
+    shape: tuple
     dtype: torch.dtype
-    stride: tuple[int, ...]
+    stride: tuple
     device: torch.device
+
+    def __post_init__(self):
+        # a SymInt whose value is known (a size a guard fixed) is that int: metas never hold constant SymInts
+        for name in ("shape", "stride"):
+            sizes = getattr(self, name)
+            if any(isinstance(s, torch.SymInt) for s in sizes):
+                object.__setattr__(self, name, tuple(symbolic.concrete(s) for s in sizes))
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "TensorMeta":
-        return cls(tuple(int(s) for s in t.shape), t.dtype, tuple(int(s) for s in t.stride()), t.device)
+        return cls(tuple(symbolic.concrete(s) if isinstance(s, torch.SymInt) else int(s) for s in t.shape), t.dtype,
+                   tuple(symbolic.concrete(s) if isinstance(s, torch.SymInt) else int(s) for s in t.stride()),
+                   t.device)
+
+    @property
+    def symbolic(self) -> bool:
+        """Whether a size or stride is symbolic (varies from batch to batch)."""
+        return symbolic.any_symbolic(self.shape) or symbolic.any_symbolic(self.stride)
 
     def as_meta_tensor(self) -> torch.Tensor:
-        """An empty tensor on the meta device with these facts, for shape inference."""
+        """An empty tensor with these facts, for shape inference: on the meta device, or for symbolic
+        sizes a fake tensor of the program's ShapeEnv (`symbolic.fake_mode`)."""
+        if self.symbolic:
+            env = symbolic.shape_env((self.shape, self.stride))
+            with symbolic.fake_mode(env):
+                return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
 
     @property
-    def numel(self) -> int:
+    def numel(self):
+        """The number of elements (a SymInt for symbolic shapes: `symbolic.hint` gives a number)."""
         n = 1
         for s in self.shape:
             n *= s
         return n
 
     @property
-    def nbytes(self) -> int:
+    def nbytes(self):
         return self.numel * self.dtype.itemsize
+
+    def __eq__(self, other) -> bool:      # structural: compares size expressions, records no guard
+        return isinstance(other, TensorMeta) and self.dtype == other.dtype and self.device == other.device and \
+            symbolic.same(self.shape, other.shape) and symbolic.same(self.stride, other.stride)
+
+    def __hash__(self) -> int:
+        return hash((symbolic.key(self.shape), self.dtype, symbolic.key(self.stride), self.device))
 
     def __str__(self) -> str:
         dt = str(self.dtype).replace("torch.", "")

@@ -7,16 +7,21 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
+from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Node, Value
 
 
 class Symbols:
     """Names for kernels and non-literal constants referenced by the generated code."""
 
-    def __init__(self, taken: set[str] = frozenset()) -> None:
+    def __init__(self, taken: set[str] = frozenset(), sizes: dict | None = None) -> None:
         self.globals: dict[str, Any] = {"torch": torch}
         self._names: dict[int, str] = {}
         self._taken = taken            # local variable names of the generated code: never shadowed
+        # symbolic sizes print as expressions over the locals the code binds them to (codegen.bind_sizes);
+        # without bindings (debug listings) a symbol prints as its own name
+        self.sizes = symbolic.SizePrinter(sizes)
+        self._bound = sizes is not None
 
     def kernel(self, fn: Any) -> str:
         if id(fn) in self._names:
@@ -34,7 +39,17 @@ class Symbols:
         self._names[id(fn)] = name
         return name
 
+    def size(self, x: Any) -> str:
+        """A (symbolic) size as a Python expression: never embedded as an object, whose value would be the
+        compiled batch's."""
+        if not self._bound:
+            return str(symbolic.expr(x))
+        return self.sizes(x)
+
     def constant(self, obj: Any) -> str:
+        if symbolic.any_symbolic(obj) or isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise AssertionError(f"Kiln bug: a symbolic size inside a constant {type(obj).__name__} would run as the "
+                                 "compiled batch's size")
         if id(obj) not in self._names:
             name, i = f"const{len(self._names)}", len(self._names)
             while name in self.globals or name in self._taken:
@@ -48,6 +63,8 @@ class Symbols:
 def literal(x: Any, syms: Symbols) -> str:
     if isinstance(x, Value):
         return x.name
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return syms.size(x)
     if x is None or isinstance(x, (bool, int, str)):
         return repr(x)
     if isinstance(x, float):

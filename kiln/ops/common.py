@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import same
 
 aten = torch.ops.aten
 
@@ -33,13 +34,13 @@ def sum_to(b, g: Value, target_shape) -> Value:
     """Reduce a broadcast gradient back to `target_shape` (the inverse of broadcasting)."""
     target_shape = list(target_shape)
     gshape = shape(g)
-    if gshape == target_shape:
+    if same(gshape, target_shape):
         return g
     lead = len(gshape) - len(target_shape)
     dims = list(range(lead)) + [lead + i for i, s in enumerate(target_shape) if s == 1 and gshape[lead + i] != 1]
     if dims:
         g = b(aten.sum.dim_IntList, g, dims, True)
-    if shape(g) != target_shape:
+    if not same(shape(g), target_shape):
         g = reshape(b, g, target_shape)
     return g
 

@@ -5,6 +5,7 @@ import torch
 
 from kiln.ops.common import arg, shape
 from kiln.ops.registry import Kind, defop, nondiff
+from kiln.ir.symbolic import same
 
 aten = torch.ops.aten
 I = Kind.INDEX
@@ -29,7 +30,7 @@ def _gather_src_grad(b, g, dim, index, src):
     """src's gradient for scatter/scatter_add: g gathered at index. Only src's leading index-shaped
     block is read, so where src is larger the rest gets zeros (padded at the end of each dim)."""
     gsrc = b(aten.gather.default, g, dim, index)
-    if shape(src) != shape(index):
+    if not same(shape(src), shape(index)):
         pads = []
         for s, i in reversed(list(zip(shape(src), shape(index)))):
             pads += [0, s - i]

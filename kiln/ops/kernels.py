@@ -14,6 +14,7 @@ import kiln.kernels  # noqa: F401  (defines torch.ops.kiln.*)
 from kiln.kernels.norms import dropout_scale
 from kiln.ops.common import arg, shape, sum_to
 from kiln.ops.registry import Cast, Kind, defop
+from kiln.ir.symbolic import hint
 
 aten = torch.ops.aten
 kiln_ops = torch.ops.kiln
@@ -21,7 +22,7 @@ LOW, F32, FOLLOW = Cast.LOWER, Cast.FP32, Cast.FOLLOW
 
 
 def _numel(v) -> float:
-    return float(v.meta.numel)
+    return float(hint(v.meta.numel))
 
 
 def _backward_op(target, kind: Kind, cast: Cast, **facts) -> None:
@@ -96,13 +97,13 @@ def vjp_linear_gelu(b, n, g):
 
 
 def _linear_gelu_flops(n) -> float:
-    return 2.0 * _numel(n.out) * shape(n.args[0])[-1]
+    return 2.0 * _numel(n.out) * hint(shape(n.args[0])[-1])
 
 
 def _linear_gelu_bwd_flops(n) -> float:
     # recompute + grad_x + grad_weight: three matmuls of the forward's size
     x, w = n.args[1], n.args[2]
-    return 6.0 * _numel(x) * shape(w)[0]
+    return 6.0 * _numel(x) * hint(shape(w)[0])
 
 
 defop(kiln_ops.linear_gelu.default, vjp_linear_gelu, Kind.MATMUL, LOW, cost=_linear_gelu_flops)
@@ -148,7 +149,7 @@ def vjp_linear_cross_entropy(b, n, g, _g_lse=None):
 
 def _lce_flops(n, factor: float = 2.0) -> float:
     hidden, weight = (n.args[0], n.args[1]) if n.op.differentiable else (n.args[1], n.args[2])
-    return factor * _numel(hidden) * shape(weight)[0]
+    return factor * _numel(hidden) * hint(shape(weight)[0])
 
 
 # Cast LOWER although it is a loss: it is the vocabulary projection (the model's biggest matmul), which

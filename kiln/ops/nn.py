@@ -11,6 +11,7 @@ import torch
 from kiln.ops.common import arg, reshape, shape
 from kiln.ops.registry import Cast, Kind, OpDef, defop, nondiff, register
 from kiln.ops.spectral import conj, is_complex
+from kiln.ir.symbolic import hint
 
 aten = torch.ops.aten
 LOW, F32 = Cast.LOWER, Cast.FP32
@@ -20,7 +21,7 @@ def _matmul_flops(n) -> float:
     """2*M*N*K for the node's matmul (batch dims folded into M)."""
     a = n.args[1] if n.target is aten.addmm.default else n.args[0]
     k = shape(a)[-1]
-    return 2.0 * n.out.meta.numel * k
+    return 2.0 * hint(n.out.meta.numel) * hint(k)
 
 
 # ---- matmuls ----------------------------------------------------------------------------------
@@ -71,7 +72,7 @@ def vjp_convolution(b, n, g):
 
 def _conv_flops(n) -> float:
     w = shape(n.args[1])
-    return 2.0 * n.out.meta.numel * math.prod(w[1:])
+    return 2.0 * hint(n.out.meta.numel) * math.prod(hint(w[1:]))
 
 
 defop(aten.convolution.default, vjp_convolution, Kind.MATMUL, LOW, cost=_conv_flops)

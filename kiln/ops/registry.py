@@ -16,6 +16,7 @@ import torch
 from torch._ops import OpOverload
 
 from kiln.once import Once
+from kiln.ir.symbolic import hint
 
 log = logging.getLogger("kiln")
 
@@ -47,8 +48,9 @@ Vjp = Callable[..., Sequence[Any]]
 
 
 def _default_cost(node) -> float:
-    """Element-count estimate: bytes moved dominate everything but matmuls."""
-    return float(sum(v.meta.numel for v in node.outputs if v.meta is not None))
+    """Element-count estimate: bytes moved dominate everything but matmuls. Costs are heuristics: symbolic
+    sizes count at their hint (the compiled batch's size, no guard)."""
+    return float(sum(hint(v.meta.numel) for v in node.outputs if v.meta is not None))
 
 
 @dataclass

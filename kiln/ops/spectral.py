@@ -17,6 +17,7 @@ import torch
 
 from kiln.ops.common import arg, cast, shape
 from kiln.ops.registry import Cast, Kind, defop
+from kiln.ir.symbolic import hint
 
 aten = torch.ops.aten
 V, P, F32 = Kind.VIEW, Kind.POINTWISE, Cast.FP32
@@ -178,7 +179,7 @@ def _fft_rule(transform: str, inverse: bool, default_dims: str):
 
 def _fft_cost(n) -> float:
     """About 5 n log2 n flops per transformed signal (complex radix-2)."""
-    numel = max(max(v.meta.numel for v in (n.args[0], n.out)), 1)
+    numel = max(max(hint(v.meta.numel) for v in (n.args[0], n.out)), 1)
     return 5.0 * numel * math.log2(max(numel, 2))
 
 

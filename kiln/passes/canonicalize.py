@@ -11,6 +11,7 @@ from kiln.dialects import registry as dialects
 from kiln.ir.graph import Graph, Value
 from kiln.ops.common import arg, reshape, shape
 from kiln.passes.rewrite import rewrite
+from kiln.ir.symbolic import same
 
 aten = torch.ops.aten
 log = logging.getLogger("kiln")
@@ -78,7 +79,7 @@ def _cross_entropy(b, n):
         return None
     nll = b(aten.nll_loss_forward.default, lsm, target, weight, reduction, ignore)[0]
     if not smoothing:
-        return [reshape(b, nll, shape(n.out)) if shape(nll) != shape(n.out) else nll]
+        return [nll if same(shape(nll), shape(n.out)) else reshape(b, nll, shape(n.out))]
     # label smoothing: (1-e) * nll + e * mean over classes of -log p, with ignored targets masked out
     classes = shape(x)[cdim]
     smooth = b(aten.neg.default, b(aten.sum.dim_IntList, lsm, [cdim], False))
@@ -161,6 +162,6 @@ def _changed_metas(n, result) -> str:
     news = [result] if isinstance(result, Value) else list(result)
     for old, new in zip(n.outputs, news):
         if isinstance(new, Value) and old.meta is not None and new.meta is not None and \
-                (old.meta.shape != new.meta.shape or old.meta.dtype != new.meta.dtype):
+                (not same(old.meta.shape, new.meta.shape) or old.meta.dtype != new.meta.dtype):
             return f"{new.meta} for {old.meta}"
     return ""

@@ -5,6 +5,9 @@ two masks.
 """
 from __future__ import annotations
 
+import torch
+
+from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Value, tree_map_values
 from kiln.ops.registry import Kind
 from kiln.passes.dce import dead_code_elimination
@@ -19,6 +22,8 @@ def _key(x):
         return tuple(sorted((k, _key(v)) for k, v in x.items()))
     if isinstance(x, float):
         return ("f", x, str(x))          # keeps 0.0 and -0.0 apart
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("size", str(symbolic.expr(x)))   # a symbolic size: by its expression (SymInts do not hash)
     return (type(x).__name__, x)
 
 

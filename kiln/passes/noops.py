@@ -14,6 +14,7 @@ from kiln.ir.builder import VIEWS, layout_known, viewable
 from kiln.ir.graph import Graph
 from kiln.ops.common import arg, shape
 from kiln.passes.rewrite import refresh_metas, rewrite
+from kiln.ir.symbolic import same
 
 aten = torch.ops.aten
 RESHAPES = VIEWS + (aten.reshape.default,)
@@ -22,7 +23,7 @@ RESHAPES = VIEWS + (aten.reshape.default,)
 def _same_shape(b, n):
     # view / reshape / expand to the shape it has returns the tensor itself, whatever its strides
     x = n.args[0]
-    return x if shape(x) == shape(n.out) else None
+    return x if same(shape(x), shape(n.out)) else None
 
 
 def _view_of_predicted_layout(b, n):
@@ -76,7 +77,7 @@ def _identity_transpose(b, n):
 def _full_slice(b, n):
     # x[:, 0:len] -> x
     x, step = n.args[0], arg(n, 4, "step", 1)
-    return x if shape(x) == shape(n.out) and step == 1 else None
+    return x if same(shape(x), shape(n.out)) and step == 1 else None
 
 
 def _identity_permute(b, n):

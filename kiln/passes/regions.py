@@ -40,8 +40,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._pytree import tree_leaves
+
 from kiln.dialects import registry
-from kiln.ir.graph import Fused, Graph, Node, Value, tree_map_values
+from kiln.ir import symbolic
+from kiln.ir.graph import Fused, Graph, Node, Value
+from kiln.ir.symbolic import evaluate, hint
 from kiln.ir.printer import Symbols, call_line
 from kiln.runtime.codegen import define
 from kiln.ops.registry import Cast, Kind, OpDef
@@ -63,6 +69,10 @@ class Region:
     key: str                          # structural hash
     name: str
     reference: Callable = field(repr=False)
+    # symbolic sizes (kiln/ir/symbolic.py) the region's ops and shapes depend on: the region node passes
+    # their values first, then the input tensors; every implementation takes them in that order
+    sizes: list = field(default_factory=list)           # sympy symbols
+    size_args: list = field(default_factory=list)       # a SymInt per symbol (printed as the code's local)
     impl: Any = None                  # registry.Impl of the dialect that runs it
     compiled: Callable | None = field(default=None, repr=False)   # kernel(list_of_inputs) -> outputs
     checked: bool = False
@@ -85,12 +95,21 @@ class Region:
             return self.run_kernel(args)
         return self.reference(*args)
 
+    def values(self, args) -> dict:
+        """{symbol: its value in this call} (the leading size arguments)."""
+        return dict(zip(self.sizes, args))
+
     def run_kernel(self, args):
-        """The compiled kernel's outputs; on any failure, the reference's (and the reference from now on)."""
+        """The compiled kernel's outputs; on any failure, the reference's (and the reference from now on).
+        Sizes its compiler's guards exclude (e.g. a vectorization that needs a row under some length) run
+        the reference for that call."""
+        guard = getattr(self.compiled, "guard", None)     # sizes the kernel was compiled for (its compiler's guards)
+        if guard is not None and not guard(args[:len(self.sizes)]):
+            return self.reference(*args)
         try:
             outs = self.compiled(list(args))
             if not self.checked:
-                self._check(outs)
+                self._check(outs, self.values(args))
             return outs
         except Exception as exc:     # a broken kernel costs speed, never the step
             self.failed = f"{type(exc).__name__}: {exc}"
@@ -98,18 +117,27 @@ class Region:
                         self.name, self.failed, len(self.nodes))
         return self.reference(*args)
 
-    def _check(self, outs) -> None:
+    def _check(self, outs, values: dict) -> None:
         """The first call: every output must have the shape, dtype and strides the graph expects (later
-        ops such as view depend on strides)."""
+        ops such as view depend on strides), symbolic ones at this call's sizes."""
         if len(outs) != len(self.outputs):
             raise RuntimeError(f"compiled kernel returned {len(outs)} outputs, expected {len(self.outputs)}")
         for t, v in zip(outs, self.outputs):
             m = v.meta
-            if tuple(t.shape) != m.shape or t.dtype != m.dtype or \
-                    (t.numel() > 1 and _strides(t.shape, t.stride()) != _strides(m.shape, m.stride)):
+            shape, stride = evaluate(m.shape, values), evaluate(m.stride, values)
+            if tuple(t.shape) != tuple(shape) or t.dtype != m.dtype or \
+                    (t.numel() > 1 and _strides(t.shape, t.stride()) != _strides(shape, stride)):
                 raise RuntimeError(f"compiled kernel returned {t.dtype}{list(t.shape)} strides {tuple(t.stride())} "
                                    f"for {v.name}, expected {m} strides {m.stride}")
         self.checked = True
+
+    def scale(self, args) -> float:
+        """How much more work this call is than one at the compiled batch's sizes (the biggest input's
+        elements now over its hint): online trials compare kernels on calls of differing sizes."""
+        if not self.sizes:
+            return 1.0
+        big = max(self.inputs, key=lambda v: hint(v.meta.numel))
+        return max(evaluate(big.meta.numel, self.values(args)), 1) / max(hint(big.meta.numel), 1)
 
 
 def _strides(shape, stride) -> tuple:
@@ -251,7 +279,8 @@ def group(graph: Graph, accepts: Callable[[Node], bool], max_ops: int = 64) -> l
 
 def make_region(nodes: list[Node], index: int, users: dict, live: set) -> Region:
     """The region of `nodes`: its inputs, its outputs (values read after it or produced by the step),
-    its structural key and its reference function. `users`/`live`: `graph.users()`/`live_outputs()`."""
+    its symbolic sizes, its structural key and its reference function. `users`/`live`: `graph.users()` /
+    `live_outputs()`."""
     inside = {x.uid for x in nodes}
     inputs: list[Value] = []
     for x in nodes:
@@ -260,32 +289,72 @@ def make_region(nodes: list[Node], index: int, users: dict, live: set) -> Region
                 inputs.append(v)
     outputs = [o for x in nodes for o in x.outputs
                if o in live or any(u.uid not in inside for u in users.get(o, ()))]
-    key = structural_key(nodes, inputs, outputs)
+    sizes = _symbols(nodes, inputs, outputs)
+    env = symbolic.shape_env([v.meta.shape for v in inputs + outputs if v.meta is not None] +
+                             [a for x in nodes for a in tree_leaves((x.args, x.kwargs)) if isinstance(a, torch.SymInt)])
+    size_args = [symbolic.symint(env, sym) for sym in sizes]
+    key = structural_key(nodes, inputs, outputs, sizes)
     name = f"region{index}_" + "_".join(dict.fromkeys(
         x.op.name.split(".")[1].strip("_") for x in nodes if x.op.kind is not Kind.VIEW))[:48]
-    return Region(nodes, inputs, outputs, key, name, reference_function(nodes, inputs, outputs, name))
+    return Region(nodes, inputs, outputs, key, name, reference_function(nodes, inputs, outputs, name, sizes),
+                  sizes=sizes, size_args=size_args)
 
 
-def structural_key(nodes: list[Node], inputs: list[Value], outputs: list[Value]) -> str:
-    """Equal for regions that compute the same thing on tensors of the same shapes, strides and dtypes."""
+def _symbols(nodes: list[Node], inputs: list[Value], outputs: list[Value]) -> list:
+    """The symbols a region depends on, in a deterministic order (first appearance: input shapes and
+    strides, then the ops' arguments, then output shapes)."""
+    found: dict = {}
+    parts = [(v.meta.shape, v.meta.stride) for v in inputs if v.meta is not None]
+    parts += [(x.args, x.kwargs) for x in nodes] + [(v.meta.shape, v.meta.stride) for v in outputs if v.meta is not None]
+    for part in parts:
+        for leaf in tree_leaves(part):
+            if isinstance(leaf, torch.SymInt):
+                e = symbolic.expr(leaf)
+                if not isinstance(e, int):
+                    for sym in sorted(e.free_symbols, key=str):
+                        found.setdefault(sym, None)
+    return list(found)
+
+
+def structural_key(nodes: list[Node], inputs: list[Value], outputs: list[Value], sizes: list = ()) -> str:
+    """Equal for regions that compute the same thing on tensors of the same shapes, strides and dtypes;
+    symbolic sizes count by their place among the region's symbols, not by the program's names for them."""
+    names = symbolic.canonical(list(sizes))
     local: dict[int, tuple] = {v.uid: ("in", i) for i, v in enumerate(inputs)}
+
+    def enc(x):
+        if isinstance(x, Value):
+            return local[x.uid]
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return ("size", str(symbolic.rename(x, names)))
+        return x
     body = []
     for k, x in enumerate(nodes):
-        enc = lambda v: local[v.uid]  # noqa: E731
-        body.append((str(x.target), repr(tree_map_values(enc, x.args)), repr(sorted(
-            tree_map_values(enc, x.kwargs).items()))))
+        args, kwargs = pytree.tree_map(enc, (x.args, x.kwargs), is_leaf=lambda a: isinstance(a, Value))
+        body.append((str(x.target), repr(args), repr(sorted(kwargs.items()))))
         for j, o in enumerate(x.outputs):
             local[o.uid] = ("n", k, j)
-    sig = [(v.meta.shape, str(v.meta.dtype), v.meta.stride, v.meta.device.type) if v.meta is not None else None
-           for v in inputs]
-    text = repr((body, sig, [local[o.uid] for o in outputs]))
+    sig = [(str(symbolic.rename(v.meta.shape, names)), str(v.meta.dtype), str(symbolic.rename(v.meta.stride, names)),
+            v.meta.device.type) if v.meta is not None else None for v in inputs]
+    text = repr((body, sig, [local[o.uid] for o in outputs], len(names)))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def reference_function(nodes: list[Node], inputs: list[Value], outputs: list[Value], name: str) -> Callable:
-    """The region's ops as straight-line Python calling their ATen kernels (the fallback)."""
-    syms = Symbols(taken={v.name for x in nodes for v in x.outputs} | {v.name for v in inputs})
-    lines = [f"def {name}({', '.join(v.name for v in inputs)}):"]
+def reference_function(nodes: list[Node], inputs: list[Value], outputs: list[Value], name: str,
+                       sizes: list = ()) -> Callable:
+    """The region's ops as straight-line Python calling their ATen kernels (the fallback). Symbolic sizes
+    come first, as arguments of their own."""
+    taken = {v.name for x in nodes for v in x.outputs} | {v.name for v in inputs}
+    size_names = {}
+    for sym in sizes:
+        local, i = str(sym), 1
+        while local in taken or local in size_names.values():
+            i += 1
+            local = f"{sym}_{i}"
+        size_names[sym] = local
+    syms = Symbols(taken=taken | set(size_names.values()), sizes=size_names)
+    params = [size_names[s] for s in sizes] + [v.name for v in inputs]
+    lines = [f"def {name}({', '.join(params)}):"]
     lines += ["    " + call_line(x, syms) for x in nodes]
     lines.append(f"    return ({''.join(v.name + ', ' for v in outputs)})")
     source = "\n".join(lines) + "\n"
@@ -299,7 +368,8 @@ def _replace(graph: Graph, regions: list[Region], provider: registry.RegionFusio
     (a stable topological sort keyed by the original positions; a region takes its earliest op's)."""
     unit: dict[int, object] = {}                # node uid -> the unit it runs in (itself or its region)
     for r in regions:
-        node = Node(REGION_OP, r, tuple(r.inputs), {}, list(r.outputs), r.nodes[-1].phase, _common_scope(r.nodes),
+        node = Node(REGION_OP, r, tuple(r.size_args) + tuple(r.inputs), {}, list(r.outputs), r.nodes[-1].phase,
+                    _common_scope(r.nodes),
                     fused=Fused(provider.label, r.ops))
         r.impl = node.impl = registry.Impl(provider.dialect, r, kernel=r, name="region", fallback=False)
         for x in r.nodes:

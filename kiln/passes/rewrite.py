@@ -15,6 +15,7 @@ from torch._ops import OpOverload
 from kiln.errors import KilnError
 from kiln.ir.builder import VIEWS, Builder, infer_metas
 from kiln.ir.graph import Graph, Value, tree_map_values
+from kiln.ir.symbolic import same
 
 aten = torch.ops.aten
 Rule = Callable[[Builder, object], "list[Value] | Value | None"]
@@ -53,7 +54,7 @@ def _one_round(graph: Graph, rules: dict) -> int:
         assert len(results) == len(n.outputs), f"{n.op.name} rewrite gave {len(results)} of {len(n.outputs)} outputs"
         for old, new in zip(n.outputs, results):
             if new is not None and old.meta is not None and new.meta is not None and \
-                    (new.meta.shape != old.meta.shape or new.meta.dtype != old.meta.dtype):
+                    (not same(new.meta.shape, old.meta.shape) or new.meta.dtype != old.meta.dtype):
                 raise KilnError(f"Kiln bug: a rewrite of {n.op.name} (in {n.scope or '<top>'}) gives {new.meta} for "
                                 f"{old.meta}; please report it (KILN_DUMP=1 prints the graph after each pass)")
             if new is not None and new is not old:
@@ -88,7 +89,7 @@ def _refresh_metas(n) -> bool:
         return False
     try:
         metas = infer_metas(n.target, n.args, n.kwargs)
-    except RuntimeError:
+    except (RuntimeError, ValueError):      # fake tensors (symbolic sizes) raise ValueError
         if n.target not in VIEWS:
             raise
         # the captured view relied on the strides of the op we replaced; reshape copies when it must

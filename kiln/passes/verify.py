@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from kiln.errors import KilnError
 from kiln.ir.graph import Graph
+from kiln.ir.symbolic import same
 
 
 def verify(graph: Graph, stage: str = "") -> None:
@@ -22,5 +23,5 @@ def verify(graph: Graph, stage: str = "") -> None:
         if v not in defined:
             raise KilnError(f"verifier{where}: output {v!r} is never computed")
     for target, new in graph.mutations:
-        if target.meta is None or new.meta is None or target.meta.shape != new.meta.shape:
+        if target.meta is None or new.meta is None or not same(target.meta.shape, new.meta.shape):
             raise KilnError(f"verifier{where}: mutation of {target!r} with a value of another shape")

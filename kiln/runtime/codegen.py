@@ -10,6 +10,7 @@ import linecache
 import time
 from typing import Callable
 
+from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Role
 from kiln.ir.printer import Symbols, annotate, call_line
 from kiln.transaction import stage
@@ -25,7 +26,10 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
     With `times` (a list of len(graph.nodes) floats), every call is timed and its seconds added to
     `times[i]` (`kiln.explain(step, profile=True)`); the CPU kernels are synchronous, so the
     wall-clock time around a call is the kernel's time."""
-    syms = Symbols(taken={v.name for n in graph.nodes for v in n.outputs} | {v.name for v in graph.inputs})
+    taken = {v.name for n in graph.nodes for v in n.outputs} | {v.name for v in graph.inputs}
+    sources = size_sources(graph.inputs)
+    names = size_names(sources, taken)
+    syms = Symbols(taken=taken | set(names.values()), sizes=names)
     last_use: dict = {}
     for i, n in enumerate(graph.nodes):
         for v in n.inputs:
@@ -58,6 +62,10 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
         lines.append(f"    return ({''.join(v.name + ', ' for v in graph.outputs)})")
     else:
         lines.append(f"    return {graph.outputs[0].name}")
+    binds = bind_sizes(syms, sources)
+    if binds:                       # the symbolic sizes this batch has, read from the inputs (after the def line)
+        lines[1:1] = binds
+        at_line = {i + len(binds): n for i, n in at_line.items()}
     source = "\n".join(lines) + "\n"
 
     namespace = dict(syms.globals, _stage=stage)
@@ -66,6 +74,38 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
     fn = define(source, name, namespace, f"<kiln-step-{next(_counter)}>")
     fn.node_at_line = at_line            # read by the runtime to name the op a failure came from
     return source, fn
+
+
+def size_sources(values) -> dict:
+    """{sympy symbol: (value, dim)}: where each symbolic size of a program can be read from its inputs (the
+    first input dimension that is that symbol alone)."""
+    sources: dict = {}
+    for v in values:
+        if v.meta is None:
+            continue
+        for d, size in enumerate(v.meta.shape):
+            e = symbolic.expr(size)
+            if not isinstance(e, int) and e.is_Symbol and e not in sources:
+                sources[e] = (v, d)
+    return sources
+
+
+def size_names(sources: dict, taken: set) -> dict:
+    """A local variable name for every symbol: its own (`s44`), unless the graph uses that name."""
+    names = {}
+    for sym in sources:
+        name, i = str(sym), 1
+        while name in taken or name in names.values():
+            i += 1
+            name = f"{sym}_{i}"
+        names[sym] = name
+    return names
+
+
+def bind_sizes(syms: Symbols, sources: dict, indent: str = "    ") -> list[str]:
+    """The lines that read the symbolic sizes the generated code used from its inputs."""
+    return [f"{indent}{syms.sizes.names[s]} = {sources[s][0].name}.size({sources[s][1]})"
+            for s in sorted(syms.sizes.used, key=str)]
 
 
 def define(source: str, name: str, namespace: dict, filename: str) -> Callable:

@@ -115,6 +115,16 @@ def explain(step, file=None, profile: bool = False) -> str:
         lines.append("gradient fallbacks (no VJP rule; autograd): " + "; ".join(fallbacks))
     if honoured:
         lines.append("torch.autograd.Functions (their own backward, under autograd): " + "; ".join(honoured))
+    sig = prog.signature
+    if sig is not None:
+        kind = "dynamic sizes" if sig.dynamic else "static sizes"
+        lines.append(f"program: {kind}: {sig.describe()} ({len(step.programs)} program(s) kept; step.cache_info() "
+                     "lists them)")
+        if sig.guards:
+            lines.append("size guards (sizes the model or Kiln decided on; a batch outside them compiles another "
+                         "program): " + "; ".join(sig.guards))
+        if sig.specialized:
+            lines.append("dimensions the model fixes (static in every program): " + "; ".join(sig.specialized))
     branches = list(dict.fromkeys(n.args[2] for n in g.nodes if n.op.name == "kiln.branch_guard"))
     if branches:
         variants = len(step.programs)

@@ -1,48 +1,33 @@
 """`CompiledStep`: what `kiln.compile` returns. Caches one program per input signature and runs it."""
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
 
-from kiln.capture import capture
+from kiln.capture import capture, export
 from kiln.dialects import measure
 from kiln.dialects import registry as dialect_registry
 from kiln.dialects.tuning import Tuner
 from kiln.errors import InputError, KilnError, StepError
-from kiln.guards import NONFINITE, BranchChanged, SkippedStep
+from kiln.guards import NONFINITE, BranchChanged, NonFiniteError, SkippedStep
+from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
 from kiln.passes.pipeline import AFTER_TUNING, AMP_STATE, Context, run_pipeline
-from kiln.runtime import checkpoint
+from kiln.runtime import checkpoint, shapes
 from kiln.runtime.codegen import generate
 from kiln.runtime.failures import describe_failure
+from kiln.runtime.programs import CacheInfo, Program, ProgramCache
 from kiln.transaction import step_transaction
 
 log = logging.getLogger("kiln")
 _COMPILE_LOCK = threading.RLock()
-
-
-@dataclass
-class Program:
-    """One compiled training step for one input signature."""
-
-    graph: Graph
-    source: str
-    fn: Callable
-    fetch: list[Callable[[list, float], Any]]     # one per graph input: (user leaves, lr) -> value
-    compile_seconds: float
-    timings: list
-    regions: list                 # every fused region considered, kept or not (kiln.passes.regions.Region)
-    ran: bool = False             # has run to the end once (a program failing on its first call is evicted)
 
 
 def _rng_untouched():
@@ -52,13 +37,10 @@ def _rng_untouched():
     return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else [])
 
 
-def _leaf_key(x: Any):
-    if isinstance(x, torch.Tensor):
-        return ("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
-    if isinstance(x, (int, float, bool, str, type(None))):
-        return ("V", type(x).__name__, x)
-    raise InputError(f"step() got an input of type {type(x).__name__}; pass tensors, Python numbers, "
-                     "strings, None, or lists/tuples/dicts of them")
+def _check_leaf(x: Any) -> None:
+    if not isinstance(x, (torch.Tensor, int, float, bool, str, type(None))):
+        raise InputError(f"step() got an input of type {type(x).__name__}; pass tensors, Python numbers, "
+                         "strings, None, or lists/tuples/dicts of them")
 
 
 def _unalias(args, kwargs):
@@ -88,7 +70,7 @@ class CompiledStep:
     def __init__(self, model: torch.nn.Module, optimizer: Optimizer, loss_fn: Callable | None = None,
                  dialects=None, max_programs: int = 8, verify: bool = False, amp: str | None = None,
                  amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16, tuning: str | None = None,
-                 nonfinite: str = "raise"):
+                 nonfinite: str = "raise", dynamic: Any = None, fail_on_max_programs: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -102,7 +84,9 @@ class CompiledStep:
         if not self.params:
             raise KilnError(f"{type(model).__name__} has no trainable parameters (all requires_grad=False)")
         self.dialects = dialect_registry.check_names(dialects) if dialects is not None else None
-        self.max_programs = max_programs
+        self.policy = shapes.Policy(dynamic)  # which dimensions new programs make symbolic
+        self.cache = ProgramCache(max_programs)
+        self.fail_on_max_programs = bool(fail_on_max_programs)
         if tuning is not None and tuning not in measure.TUNINGS:
             raise KilnError(f"tuning must be one of {', '.join(map(repr, measure.TUNINGS))} (or None: $KILN_TUNING, "
                             f"default 'online'), got {tuning!r}")
@@ -128,10 +112,10 @@ class CompiledStep:
         if self.amp is not None and self.amp.dtype == torch.float16:
             self.state[AMP_STATE] = {"scale": torch.tensor(float(init_loss_scale)),
                                      "growth_tracker": torch.zeros((), dtype=torch.int32)}
-        self.programs: "collections.OrderedDict[tuple, Program]" = collections.OrderedDict()
         self.last: Program | None = None
         self._lock = threading.RLock()        # calls (and compiles) on one step run one at a time
         self._tensors = self._module_tensors()
+        self._warned_full = False
 
     # ---- running ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -149,23 +133,22 @@ class CompiledStep:
         self._follow_replaced_tensors()
         kwargs = dict(sorted(kwargs.items()))
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        for x in leaves:
+            _check_leaf(x)
         names = self.dialects or dialect_registry.enabled()
         # hyper-parameters other than lr are baked into the generated code: changing one recompiles
         hyper = tuple((k, v) for k, v in sorted(self.optimizer.hyperparameters().items()) if k != "lr")
-        base = (str(spec), tuple(_leaf_key(x) for x in leaves), self.model.training, names, hyper)
-        # variants: programs for the same shapes whose Python branches on tensor values went another way
-        for variant in itertools.count():
-            key = base + (variant,)
-            prog = self.programs.get(key)
+        base = (str(spec), tuple(shapes.leaf_kind(x) for x in leaves), self.model.training, names, hyper)
+        sizes = shapes.sizes_of(leaves)
+        tried: list[Program] = []
+        # several programs may serve these sizes (value-dependent branches compile one variant per way they
+        # go): each is tried in turn, most recently used first; none left -> a new one for this batch
+        while True:
+            prog = next((p for p in self.cache.candidates(base, sizes) if p not in tried), None)
             fresh = prog is None
             if fresh:
-                if len(self.programs) >= self.max_programs:
-                    raise InputError(
-                        f"kiln has compiled {len(self.programs)} programs for {type(self.model).__name__} (max_programs="
-                        f"{self.max_programs}); every new input shape/dtype (or value-dependent branch) compiles another. "
-                        "Pad or bucket inputs to a few fixed shapes, or pass a larger max_programs= to kiln.compile")
-                prog = self._compile(args, kwargs, names)
-                self.programs[key] = prog
+                prog = self._new_program(base, sizes, args, kwargs, leaves, names)
+            tried.append(prog)
             self.last = prog
             self._last_leaves = leaves      # kiln.explain(step, profile=True) replays this batch
             lr = self.optimizer.lr
@@ -174,25 +157,26 @@ class CompiledStep:
                 with torch.no_grad(), step_transaction() as txn:
                     loss = prog.fn(*inputs)
                 break
-            except BranchChanged as e:      # nothing was written; try (or compile) the next variant
+            except BranchChanged as e:      # nothing was written; try (or compile) another variant
                 if fresh:
-                    self.programs.pop(key, None)
+                    self.cache.remove(prog)
                     self.last = None
                     raise StepError(f"the program compiled for this very batch rejects it ({e}): the forward "
                                     "decides a Python branch differently on the same values (random numbers in "
                                     "the condition?); make the branch deterministic, or move it out of the "
                                     "model") from e
-                log.info("kiln: %s; using (or compiling) variant %d", e, variant + 1)
+                log.info("kiln: %s; using (or compiling) another variant", e)
             except SkippedStep as e:       # nonfinite="skip": nothing was written
                 self.skipped_steps += 1
                 log.warning("kiln: step skipped (%d so far): %s", self.skipped_steps, e)
                 prog.ran = True
+                self.cache.used(prog)
                 return e.loss
             except KilnError:
                 raise
             except Exception as e:
                 if not prog.ran:            # a program that never ran to the end does not keep its slot
-                    self.programs.pop(key, None)
+                    self.cache.remove(prog)
                     self.last = None
                 raise StepError(describe_failure(prog, e, evicted=not prog.ran)) from e
         try:
@@ -204,8 +188,50 @@ class CompiledStep:
                             "earlier fused group had already been applied. Check the optimizer's hyper-parameters, "
                             "or try kiln.compile(..., dialects=['aten'])") from e
         prog.ran = True
+        self.cache.used(prog)
         self.tuner.start()                  # online tuning: compilers start once a step has run
         return loss.detach()
+
+    def _new_program(self, base, sizes, args, kwargs, leaves, names) -> Program:
+        """Compile a program for this call: for its exact sizes, or (the policy decides, kiln/runtime/shapes.py)
+        with symbolic ones. At `max_programs`, the least recently used program makes room (once warned)."""
+        go_dynamic = self.cache.seen_other_sizes(base, sizes)
+        if len(self.cache) >= self.cache.max_programs:
+            if self.fail_on_max_programs:
+                raise InputError(
+                    f"kiln has compiled {len(self.cache)} programs for {type(self.model).__name__} (max_programs="
+                    f"{self.cache.max_programs}, fail_on_max_programs=True); every new input structure (dtypes, "
+                    "train/eval, optimizer settings), value-dependent branch or, with dynamic=False, shape compiles "
+                    "another. Pass a larger max_programs= or dynamic=None to kiln.compile")
+            if not self._warned_full:
+                self._warned_full = True
+                log.warning("kiln: %d programs compiled for %s (max_programs=%d): the least recently used one is "
+                            "dropped for each new one from now on%s; cache_info() lists them",
+                            len(self.cache), type(self.model).__name__, self.cache.max_programs,
+                            "" if self.policy.mode == "static" else ", and new programs are compiled for dynamic sizes")
+                self.cache.notes.append(f"max_programs={self.cache.max_programs} reached: least recently used "
+                                        "programs are dropped")
+            go_dynamic = True
+            self.cache.evict_least_recent()
+        dims = self.policy.dims(args, kwargs, leaves, go_dynamic)
+        try:
+            prog = self._compile(args, kwargs, names, dims, len(leaves))
+        except KilnError as e:
+            if dims is None or self.policy.mode == "spec" or isinstance(e, (StepError, NonFiniteError)):
+                raise
+            # a model (or a Kiln pass) that cannot be compiled with symbolic sizes trains on exact ones
+            log.warning("kiln: could not compile %s for dynamic sizes (%s); compiling for this batch's sizes",
+                        type(self.model).__name__, str(e).splitlines()[0])
+            self.cache.notes.append(f"dynamic compile failed ({str(e).splitlines()[0][:160]}); static programs used")
+            prog = self._compile(args, kwargs, names, None, len(leaves))
+        prog.base = base
+        if prog.signature is None:
+            prog.signature = shapes.static_signature(sizes, export.leaf_names(args, kwargs))
+        if not prog.signature.matches(sizes):
+            raise KilnError(f"Kiln bug: the program compiled for sizes {sizes} does not accept them "
+                            f"({prog.signature.describe()})")
+        self.cache.add(prog)
+        return prog
 
     def close(self) -> None:
         """Stop tuning: background compilers are stopped, what they or the trials left open keeps ATen's
@@ -246,28 +272,36 @@ class CompiledStep:
                  "the step follows the new tensors")
         self._tensors, self.params = now, trainable
 
-    def _compile(self, args, kwargs, names) -> Program:
+    def _compile(self, args, kwargs, names, dims=None, nleaves=0) -> Program:
         with _COMPILE_LOCK:                 # torch.export and the registries are process-wide state
-            return self._compile_locked(args, kwargs, names)
+            return self._compile_locked(args, kwargs, names, dims, nleaves)
 
-    def _compile_locked(self, args, kwargs, names) -> Program:
+    def _compile_locked(self, args, kwargs, names, dims, nleaves) -> Program:
         t0 = time.perf_counter()
         args, kwargs = _unalias(args, kwargs)
         with _rng_untouched():              # capture, measurement and trials draw nothing from the user's stream:
-            graph, constants = capture(self.model, self.loss_fn, args, kwargs)     # the step's dropout masks
-            ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,  # are eager's
+            graph, constants = capture(self.model, self.loss_fn, args, kwargs, dims)    # the step's dropout masks
+            env = symbolic.shape_env([v.meta.shape for v in graph.inputs if v.meta is not None])   # are eager's
+            guards_before = len(env.guards) if env is not None else 0
+            ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
                                        nonfinite=self.nonfinite))
             t1 = time.perf_counter()        # the passes asked; the tuner compiles, measures, prepares workers
             self.tuner.realize(ctx)
             ctx.timings.append(("tuning", time.perf_counter() - t1, len(ctx.graph.nodes)))
             run_pipeline(ctx, AFTER_TUNING)
         source, fn = generate(ctx.graph)
+        signature = None
+        if env is not None:                 # every guard recorded so far goes into the signature's check
+            signature = shapes.dynamic_signature(ctx.graph, export.leaf_names(args, kwargs), nleaves, dims,
+                                                 guards_before)
+            symbolic.seal(env)              # a guard recorded after this would not be checked: make it an error
         fetch = [self._fetcher(v, constants) for v in ctx.graph.inputs]
         seconds = time.perf_counter() - t0
         fallbacks = sum(n.op.name == "kiln.fallback_forward" for n in ctx.graph.nodes)
-        log.info("kiln: compiled %s in %.2fs: %d nodes%s", type(self.model).__name__, seconds, len(ctx.graph.nodes),
-                 f", {fallbacks} fallback(s)" if fallbacks else "")
-        return Program(ctx.graph, source, fn, fetch, seconds, ctx.timings, ctx.regions)
+        log.info("kiln: compiled %s in %.2fs: %d nodes%s%s", type(self.model).__name__, seconds, len(ctx.graph.nodes),
+                 f", {fallbacks} fallback(s)" if fallbacks else "",
+                 f", dynamic sizes ({signature.describe()})" if signature is not None and signature.dynamic else "")
+        return Program(ctx.graph, source, fn, fetch, seconds, ctx.timings, ctx.regions, signature)
 
     def _fetcher(self, v, constants) -> Callable[[list, float], Any]:
         if v.role in (Role.PARAM, Role.FROZEN, Role.BUFFER):
@@ -318,7 +352,17 @@ class CompiledStep:
         """What online tuning (`tuning="online"`, the default on CPU) still compiles or measures in the
         programs compiled so far, one line per distinct kernel choice: [] once every choice is made (the
         steps from then on run the chosen kernels only). Benchmarks wait for this before timing steps."""
-        return self.tuner.pending(self.programs.values())
+        return self.tuner.pending(self.cache.values())
+
+    @property
+    def programs(self) -> list[Program]:
+        """The programs kept, least recently used first."""
+        return self.cache.values()
+
+    def cache_info(self) -> CacheInfo:
+        """The programs compiled and kept: each one's signature (symbolic sizes as symbols), its guards,
+        the dimensions the model fixed, its calls and compile time; compiles and seconds in all."""
+        return self.cache.info()
 
     def explain(self, file=None, profile: bool = False) -> str:
         from kiln.runtime.explain import explain

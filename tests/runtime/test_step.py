@@ -95,9 +95,11 @@ def test_learning_rate_is_read_every_step():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_new_shapes_compile_new_programs_up_to_the_bound():
+def test_static_shapes_up_to_the_bound_when_asked_to_fail():
+    """dynamic=False compiles one program per shape; fail_on_max_programs=True refuses past the bound."""
     model, _, _ = mlp_and_data()
-    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.1), loss_fn=ce, max_programs=2)
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.1), loss_fn=ce, max_programs=2, dynamic=False,
+                        fail_on_max_programs=True)
     for n in (4, 4, 8):
         step(torch.randn(n, 10), torch.randint(0, 5, (n,)))
     assert len(step.programs) == 2

@@ -1,0 +1,211 @@
+"""Training on batches of random sequence lengths: eager, torch.compile and Kiln, compiles included.
+
+    .venv/bin/python benchmarks/dynamic_shapes.py [--model gpt2|llama] [--batches 200] [--min-len 32]
+        [--max-len 512] [--batch 8] [--last-batch 5] [--modes eager,compile,kiln] [--json out.json]
+    .venv/bin/python benchmarks/dynamic_shapes.py --static-check 64,256,512 [--model ...]
+
+What a data loader with per-batch padding feeds a training loop: every batch has its own length (drawn from
+a seeded generator, uniform in [min-len, max-len]), and the last batch is smaller. Each mode runs in its own
+process on the same seeded model (the 4-layer bench model of kiln/bench/zoo.py, position embeddings for
+max-len) and the same batches, with default settings: `torch.compile(model)` (it recompiles on the second
+shape, then goes dynamic), `kiln.compile(model, optimizer=...)` (a static program, then one dynamic program).
+Reported per mode: the whole run's wall time (compiles included), programs (graphs) compiled, the first
+step, the median step, and each step's loss against eager's (max relative difference).
+
+--static-check: in one process, Kiln's dynamic program against a static Kiln program at each given length,
+steps interleaved on the same batch after both finished tuning, medians of --repeats (is the step of a
+program that serves every length as fast as one compiled for that length?).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+LR = 3e-4
+
+
+def build(name: str, max_len: int) -> torch.nn.Module:
+    from kiln.bench import zoo
+    return zoo.get(name, "default", seq=max_len).build_model()
+
+
+def batches(args) -> list[tuple[int, int]]:
+    """(batch size, length) per step: seeded random lengths, the last batch smaller."""
+    gen = torch.Generator().manual_seed(1234)
+    lengths = torch.randint(args.min_len, args.max_len + 1, (args.batches,), generator=gen).tolist()
+    sizes = [(args.batch, t) for t in lengths]
+    if args.last_batch:
+        sizes[-1] = (args.last_batch, sizes[-1][1])
+    return sizes
+
+
+def make_batch(i: int, b: int, t: int, vocab: int) -> dict:
+    ids = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(i))
+    return dict(input_ids=ids, labels=ids)
+
+
+def worker(args) -> dict:
+    """One mode's whole run, in this process."""
+    torch.manual_seed(0)
+    model = build(args.model, args.max_len)
+    vocab = model.config.vocab_size
+    sizes = batches(args)
+    mode = args.worker
+    if mode == "kiln":
+        import kiln
+        step_fn = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=LR, weight_decay=0.01))
+
+        def run(batch):
+            return step_fn(**batch).item()
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+        fwd = torch.compile(model) if mode == "compile" else model
+
+        def run(batch):
+            opt.zero_grad(set_to_none=True)
+            loss = fwd(**batch).loss
+            loss.backward()
+            opt.step()
+            return loss.item()
+    losses, times = [], []
+    start = time.perf_counter()
+    for i, (b, t) in enumerate(sizes):
+        batch = make_batch(i, b, t, vocab)
+        t0 = time.perf_counter()
+        losses.append(run(batch))
+        times.append(time.perf_counter() - t0)
+        if args.progress and (i + 1) % 20 == 0:
+            print(f"  {mode}: {i + 1}/{len(sizes)} batches, {time.perf_counter() - start:.0f}s", file=sys.stderr)
+    total = time.perf_counter() - start
+    out = dict(mode=mode, total_s=total, first_step_s=times[0], median_step_s=statistics.median(times),
+               step_s=times, losses=losses, lengths=[t for _, t in sizes])
+    if mode == "kiln":
+        info = step_fn.cache_info()
+        out["programs"] = info.compiles
+        out["compile_s"] = info.compile_seconds
+        out["cache_info"] = str(info)
+        step_fn.close()
+    elif mode == "compile":
+        from torch._dynamo.utils import counters
+        out["programs"] = int(counters["stats"]["unique_graphs"])
+    return out
+
+
+def static_check(args) -> list[dict]:
+    """Kiln's dynamic program vs a static one at each length, interleaved, after tuning settled."""
+    import kiln
+    torch.manual_seed(0)
+    base = build(args.model, args.max_len)
+    vocab = base.config.vocab_size
+    dyn_model = copy.deepcopy(base)
+    dyn = kiln.compile(dyn_model, optimizer=kiln.optim.AdamW(lr=0.0))
+    for i, t in enumerate((args.min_len + 1, args.max_len - 1)):    # a static program, then the dynamic one
+        dyn(**make_batch(i, args.batch, t, vocab))
+    rows = []
+    for length in args.static_check:
+        batch = make_batch(0, args.batch, length, vocab)
+        static = kiln.compile(copy.deepcopy(base), optimizer=kiln.optim.AdamW(lr=0.0), dynamic=False)
+        steps = {"dynamic": lambda: dyn(**batch), "static": lambda: static(**batch)}
+        deadline = time.perf_counter() + args.settle
+        while time.perf_counter() < deadline:       # both tune online on this length: run until settled
+            for fn in steps.values():
+                fn()
+            if not dyn.pending_tuning() and not static.pending_tuning():
+                break
+        assert dyn.last.dynamic and not static.last.dynamic
+        times = {k: [] for k in steps}
+        for r in range(args.repeats + 1):
+            for k in (list(steps) if r % 2 else list(steps)[::-1]):
+                t0 = time.perf_counter()
+                steps[k]()
+                if r:
+                    times[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append(dict(length=length, dynamic_s=med["dynamic"], static_s=med["static"],
+                         ratio=med["dynamic"] / med["static"], still_tuning=dyn.pending_tuning() + static.pending_tuning()))
+        print(f"  length {length}: dynamic {med['dynamic']:.3f}s, static {med['static']:.3f}s, "
+              f"dynamic/static {med['dynamic'] / med['static']:.3f}", file=sys.stderr)
+        static.close()
+    dyn.close()
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
+    p.add_argument("--batches", type=int, default=200)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--last-batch", type=int, default=5, help="size of the last batch (0: as the others)")
+    p.add_argument("--modes", default="eager,compile,kiln")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--static-check", type=lambda s: [int(x) for x in s.split(",")],
+                   help="lengths at which to compare Kiln's dynamic and static programs instead")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--settle", type=float, default=300.0, help="seconds to wait for tuning (--static-check)")
+    p.add_argument("--progress", action="store_true", help="print progress every 20 batches")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.min_len < 2 or args.max_len < args.min_len:
+        p.error("need 2 <= --min-len <= --max-len")
+    if args.worker:
+        result = worker(args)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return 0
+    env = dict(machine=platform.processor() or platform.machine(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
+               threads=torch.get_num_threads(), torch=torch.__version__, command=" ".join(sys.argv))
+    if args.static_check:
+        rows = static_check(args)
+        report = dict(env, static_check=rows)
+    else:
+        results = {}
+        for mode in args.modes.split(","):
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                out = f.name
+            cmd = [sys.executable, __file__, "--worker", mode, "--out", out] + [
+                a for a in sys.argv[1:] if not a.startswith("--json") and a != args.json]
+            print(f"{mode}: {args.batches} batches of lengths {args.min_len}..{args.max_len}...", file=sys.stderr)
+            proc = subprocess.run(cmd)
+            if proc.returncode:
+                print(f"{mode} failed (exit {proc.returncode})", file=sys.stderr)
+                continue
+            with open(out) as f:
+                results[mode] = json.load(f)
+            os.unlink(out)
+        eager = results.get("eager")
+        print(f"\n{'mode':8} {'total':>9} {'programs':>8} {'1st step':>9} {'median':>8} {'vs eager loss':>14}")
+        for mode, r in results.items():
+            diff = "-"
+            if eager and mode != "eager":
+                diff = f"{max(abs(a - b) / abs(b) for a, b in zip(r['losses'], eager['losses'])):.1e}"
+            print(f"{mode:8} {r['total_s']:8.1f}s {r.get('programs', '-')!s:>8} {r['first_step_s']:8.2f}s "
+                  f"{r['median_step_s']:7.3f}s {diff:>14}")
+        if "kiln" in results:
+            for other in ("compile", "eager"):
+                if other in results:
+                    print(f"kiln total time vs {other}: {results[other]['total_s'] / results['kiln']['total_s']:.2f}x faster")
+        report = dict(env, results=results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
