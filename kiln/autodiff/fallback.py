@@ -121,7 +121,7 @@ def convert(b, node, requires: set[Value], reason: str, chosen: bool = False):
     def emit_backward(b, n, *grads):
         # autograd returns gradients in whatever layout its kernels chose: they are made contiguous, so
         # the layout the graph's metas promise (and later views rely on) is the real one
-        metas = [TensorMeta.of(torch.empty(v.meta.shape, dtype=v.meta.dtype, device="meta")) for v in diff]
+        metas = [v.meta.contiguous() for v in diff]
         gs = b.emit(FALLBACK_BACKWARD, (closure, *grads[:len(outputs)]), {}, name="fallback_grad", metas=metas)
         return dict(zip(diff, gs))
 

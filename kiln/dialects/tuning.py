@@ -108,6 +108,24 @@ class Tuner:
         self.workers.append(worker)
         return worker
 
+    def mark(self) -> tuple[int, int]:
+        """Where this tuner's workers and settle hooks stand now (before one program's `realize`)."""
+        return len(self.workers), len(self._on_stop)
+
+    def since(self, mark: tuple[int, int]) -> tuple[list, list]:
+        """The workers and settle hooks added since `mark`: one program's tuning work."""
+        return self.workers[mark[0]:], self._on_stop[mark[1]:]
+
+    def retire(self, work: tuple[list, list]) -> None:
+        """Abandon one program's tuning work (a dynamic program now serves its batches): its workers stop, the
+        regions they or their trials left open keep their ATen ops (nothing cached); other programs' go on."""
+        workers, settles = work
+        _stop_workers(workers)
+        for settle in settles:
+            settle()
+        self.workers[:] = [w for w in self.workers if w not in workers]
+        self._on_stop[:] = [f for f in self._on_stop if f not in settles]
+
     def on_stop(self, settle: Callable[[], None]) -> None:
         """`settle()` is called by `stop()`: what a stopped worker leaves open settles on ATen's kernels."""
         self._on_stop.append(settle)

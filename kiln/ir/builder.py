@@ -98,7 +98,13 @@ def _infer_symbolic(env, target, args: tuple, kwargs: dict, devices: list) -> li
         return t
     with symbolic.fake_mode(env):
         fargs, fkwargs = tree_map_values(fake, (args, kwargs))
-        out = _symbolic_impl(target)(*fargs, **fkwargs)
+        impl = _symbolic_impl(target)
+        try:
+            out = impl(*fargs, **fkwargs)
+        except Exception:                   # noqa: BLE001 - a Python meta that cannot take these: the op itself
+            if impl is target:
+                raise
+            out = target(*fargs, **fkwargs)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     metas = [TensorMeta.of(o) if isinstance(o, torch.Tensor) else None for o in outs]
     if key is not None:

@@ -59,6 +59,14 @@ class TensorMeta:
                 return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
 
+    def contiguous(self) -> "TensorMeta":
+        """The same tensor in the row-major (contiguous) layout."""
+        strides, acc = [], 1
+        for size in reversed(self.shape):
+            strides.append(acc)
+            acc = acc * size if not isinstance(size, int) or size != 0 else acc
+        return TensorMeta(self.shape, self.dtype, tuple(reversed(strides)), self.device)
+
     @property
     def numel(self):
         """The number of elements (a SymInt for symbolic shapes: `symbolic.hint` gives a number)."""

@@ -49,7 +49,7 @@ from kiln.ir import symbolic
 from kiln.ir.graph import Fused, Graph, Node, Value
 from kiln.ir.symbolic import evaluate, hint
 from kiln.ir.printer import Symbols, call_line
-from kiln.runtime.codegen import define
+from kiln.runtime.codegen import define, size_names
 from kiln.ops.registry import Cast, Kind, OpDef
 
 log = logging.getLogger("kiln")
@@ -345,15 +345,9 @@ def reference_function(nodes: list[Node], inputs: list[Value], outputs: list[Val
     """The region's ops as straight-line Python calling their ATen kernels (the fallback). Symbolic sizes
     come first, as arguments of their own."""
     taken = {v.name for x in nodes for v in x.outputs} | {v.name for v in inputs}
-    size_names = {}
-    for sym in sizes:
-        local, i = str(sym), 1
-        while local in taken or local in size_names.values():
-            i += 1
-            local = f"{sym}_{i}"
-        size_names[sym] = local
-    syms = Symbols(taken=taken | set(size_names.values()), sizes=size_names)
-    params = [size_names[s] for s in sizes] + [v.name for v in inputs]
+    names = size_names(sizes, taken)
+    syms = Symbols(taken=taken | set(names.values()), sizes=names)
+    params = [names[s] for s in sizes] + [v.name for v in inputs]
     lines = [f"def {name}({', '.join(params)}):"]
     lines += ["    " + call_line(x, syms) for x in nodes]
     lines.append(f"    return ({''.join(v.name + ', ' for v in outputs)})")

@@ -90,8 +90,9 @@ def size_sources(values) -> dict:
     return sources
 
 
-def size_names(sources: dict, taken: set) -> dict:
-    """A local variable name for every symbol: its own (`s44`), unless the graph uses that name."""
+def size_names(sources, taken: set) -> dict:
+    """A local variable name for every symbol of `sources` (a dict or list of symbols): its own (`s44`),
+    unless the code uses that name."""
     names = {}
     for sym in sources:
         name, i = str(sym), 1

@@ -35,6 +35,7 @@ class Program:
     base: tuple = ()              # the call structure it serves
     ran: bool = False             # has run to the end once (a program failing on its first call is evicted)
     calls: int = 0
+    tuning: tuple = ((), ())      # the background workers and settle hooks its compilation prepared (Tuner.since)
 
     @property
     def dynamic(self) -> bool:

@@ -7,7 +7,8 @@ Policy (`kiln.compile(..., dynamic=...)`):
   argument dynamic, leaving to torch.export the ones the model fixes (a vocabulary, an image size the
   position embeddings need). One recompile then serves every batch a data loader produces: other lengths,
   other batch sizes, the smaller last batch, never one program per size.
-- `True`: dynamic from the first batch. `False`: one program per distinct size.
+- `True`: dynamic from the first batch. `False`: one program per distinct size. ($KILN_DYNAMIC=1/0 sets
+  the default for `dynamic=None` without code changes.)
 - `{"input_ids": {1: "seq"}, "labels": {1: "seq"}}` (keyword arguments by name, positional ones by
   index): exactly those dimensions are dynamic, from the first batch; dimensions with one name are one
   size. A named dimension the model fixes is refused with torch.export's reason.
@@ -21,6 +22,7 @@ the program runs on a batch, so a batch outside what the program was compiled fo
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,11 @@ class Policy:
     """`kiln.compile(..., dynamic=)`, checked once: which dimensions a new program makes dynamic."""
 
     def __init__(self, dynamic: Any):
+        if dynamic is None:                 # $KILN_DYNAMIC=1/0 sets the default without code changes
+            env = os.environ.get("KILN_DYNAMIC", "").strip().lower()
+            if env not in ("", "auto", "1", "true", "0", "false"):
+                raise KilnError(f"KILN_DYNAMIC must be 1, 0 or auto, got {env!r}")
+            dynamic = {"1": True, "true": True, "0": False, "false": False}.get(env)
         if dynamic is not None and not isinstance(dynamic, (bool, dict)):
             raise KilnError("dynamic must be None (automatic), True, False, or a dict such as "
                             "{'input_ids': {1: 'seq'}, 'labels': {1: 'seq'}}, "

@@ -116,6 +116,7 @@ class CompiledStep:
         self._lock = threading.RLock()        # calls (and compiles) on one step run one at a time
         self._tensors = self._module_tensors()
         self._warned_full = False
+        self._static_only: set = set()      # structures whose dynamic compile failed: static programs only
 
     # ---- running ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -213,18 +214,31 @@ class CompiledStep:
                                         "programs are dropped")
             go_dynamic = True
             self.cache.evict_least_recent()
-        dims = self.policy.dims(args, kwargs, leaves, go_dynamic)
+        dims = self.policy.dims(args, kwargs, leaves, go_dynamic and base not in self._static_only)
+        if dims and self.policy.mode == "auto":
+            seen = next((p.signature.describe() for p in self.cache.values() if p.base == base), "")
+            log.info("kiln: %s: a batch with other sizes (%s; compiled for %s): compiling one program for dynamic "
+                     "sizes, which serves every size from now on", type(self.model).__name__,
+                     shapes.static_signature(sizes, export.leaf_names(args, kwargs)).describe(), seen or "-")
         try:
             prog = self._compile(args, kwargs, names, dims, len(leaves))
-        except KilnError as e:
-            if dims is None or self.policy.mode == "spec" or isinstance(e, (StepError, NonFiniteError)):
+        except Exception as e:
+            if dims is None or self.policy.mode != "auto" or isinstance(e, (StepError, NonFiniteError)):
                 raise
-            # a model (or a Kiln pass) that cannot be compiled with symbolic sizes trains on exact ones
-            log.warning("kiln: could not compile %s for dynamic sizes (%s); compiling for this batch's sizes",
-                        type(self.model).__name__, str(e).splitlines()[0])
-            self.cache.notes.append(f"dynamic compile failed ({str(e).splitlines()[0][:160]}); static programs used")
+            # a model (or a Kiln pass) that cannot be compiled with symbolic sizes trains on exact ones: this
+            # structure gets static programs from now on (dynamic=True or a spec would raise instead)
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            log.warning("kiln: could not compile %s for dynamic sizes (%s: %s); compiling for this batch's sizes, "
+                        "and for each new shape from now on", type(self.model).__name__, type(e).__name__, first)
+            self.cache.notes.append(f"dynamic compile failed ({type(e).__name__}: {first[:160]}); static programs used")
+            self._static_only.add(base)
             prog = self._compile(args, kwargs, names, None, len(leaves))
         prog.base = base
+        if prog.dynamic:                    # it serves the sizes the static programs of this structure were
+            for old in self.cache.values():  # tuned for: their background tuning stops (ATen ops, nothing cached)
+                if old.base == base and not old.dynamic and any(old.tuning):
+                    self.tuner.retire(old.tuning)
+                    old.tuning = ((), ())
         if prog.signature is None:
             prog.signature = shapes.static_signature(sizes, export.leaf_names(args, kwargs))
         if not prog.signature.matches(sizes):
@@ -286,6 +300,7 @@ class CompiledStep:
             ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
                                        nonfinite=self.nonfinite))
             t1 = time.perf_counter()        # the passes asked; the tuner compiles, measures, prepares workers
+            mark = self.tuner.mark()
             self.tuner.realize(ctx)
             ctx.timings.append(("tuning", time.perf_counter() - t1, len(ctx.graph.nodes)))
             run_pipeline(ctx, AFTER_TUNING)
@@ -301,7 +316,9 @@ class CompiledStep:
         log.info("kiln: compiled %s in %.2fs: %d nodes%s%s", type(self.model).__name__, seconds, len(ctx.graph.nodes),
                  f", {fallbacks} fallback(s)" if fallbacks else "",
                  f", dynamic sizes ({signature.describe()})" if signature is not None and signature.dynamic else "")
-        return Program(ctx.graph, source, fn, fetch, seconds, ctx.timings, ctx.regions, signature)
+        prog = Program(ctx.graph, source, fn, fetch, seconds, ctx.timings, ctx.regions, signature)
+        prog.tuning = self.tuner.since(mark)
+        return prog
 
     def _fetcher(self, v, constants) -> Callable[[list, float], Any]:
         if v.role in (Role.PARAM, Role.FROZEN, Role.BUFFER):

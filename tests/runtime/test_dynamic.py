@@ -232,3 +232,25 @@ def test_measured_kernels_are_chosen_per_size_bucket(monkeypatch):
     _train(step, ref, opt, [(torch.randn(n, 4),) for n in (7, 110)], loss)
     assert seen and all(n < 200 for n in seen), "big batches run ATen's linear, small ones oneDNN's"
     assert any(n >= 200 for n in ran), "every bucket was measured on its first call"
+
+
+def test_a_failing_dynamic_compile_falls_back_to_static_programs(monkeypatch, caplog):
+    """dynamic=None never stops training over a dynamic compile: it warns once and compiles per shape."""
+    from kiln.runtime import shapes
+
+    def broken(*a, **k):
+        raise RuntimeError("injected failure of the dynamic compile")
+    monkeypatch.setattr(shapes, "dynamic_signature", broken)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    ref = copy.deepcopy(model)
+    loss = lambda m, x: m(x).square().mean()          # noqa: E731
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.1), loss_fn=loss)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        _train(step, ref, opt, [(torch.randn(n, 5),) for n in (2, 3, 4)], loss)
+    assert sum("could not compile" in r.getMessage() for r in caplog.records) == 1
+    info = step.cache_info()
+    assert info.compiles == 3 and not any(p.dynamic for p in info.programs), str(info)
+    with pytest.raises(RuntimeError, match="injected"):
+        kiln.compile(copy.deepcopy(model), optimizer=kiln.optim.SGD(lr=0.1), loss_fn=loss, dynamic=True)(
+            torch.randn(2, 5))
