@@ -19,6 +19,7 @@ import libcst as cst
 
 from kiln.adopt.configs import GELU_NAMES, SILU_NAMES
 from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Tuple, Var
+from kiln.adopt.rules import PYTHON_RULES
 from kiln.adopt.structural import Context, Found, StructuralRule, code_of, flat
 
 LINEAR = "torch.nn.Linear"
@@ -405,14 +406,14 @@ def _find_linear_cross_entropy(ctx: Context, node: Node, raw, tree):
 
 
 DETECTIONS = [
-    StructuralRule("swiglu", "down(silu(gate(x)) * up(x)) -> down(kiln.kernels.swiglu(gate(x), up(x)))", _find_swiglu),
-    StructuralRule("linear_gelu", "gelu(fc(x)) -> kiln.kernels.linear_gelu(x, fc.weight, fc.bias)", _find_linear_gelu),
-    StructuralRule("rope", "q * cos + rotate_half(q) * sin; k ... -> kiln.kernels.rope(q, k, cos, sin)", _find_rope,
+    StructuralRule("swiglu", PYTHON_RULES["swiglu"], _find_swiglu),
+    StructuralRule("linear_gelu", PYTHON_RULES["linear_gelu"], _find_linear_gelu),
+    StructuralRule("rope", PYTHON_RULES["rope"], _find_rope,
                    statements=rope_pairs),
-    StructuralRule("dropout_add_layernorm", "LayerNorm(Dropout(h) + residual) (report only)",
+    StructuralRule("dropout_add_layernorm", PYTHON_RULES["dropout_add_layernorm"],
                    _find_dropout_add_layernorm, locate=dropout_add_layernorm_locations),
-    StructuralRule("fused_qkv", "three nn.Linear of one input and equal in_features (report only)",
+    StructuralRule("fused_qkv", PYTHON_RULES["fused_qkv"],
                    _find_fused_qkv, overlaps=True),
-    StructuralRule("linear_cross_entropy", "cross-entropy of lm_head(h) logits (report only)",
+    StructuralRule("linear_cross_entropy", PYTHON_RULES["linear_cross_entropy"],
                    _find_linear_cross_entropy, overlaps=True),
 ]
