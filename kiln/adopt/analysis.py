@@ -220,6 +220,14 @@ def _self_types(init: cst.FunctionDef, resolver: Resolver) -> tuple[dict[str, st
                     kind = resolver.qualname(node.value.func)
                 found.setdefault(target.attr.value, set()).add(kind)
                 exprs.setdefault(target.attr.value, []).append(node.value)
+        elif isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) \
+                and node.func.attr.value == "register_buffer" and isinstance(node.func.value, cst.Name) \
+                and node.func.value.value == self_name and len(node.args) >= 2 \
+                and isinstance(node.args[0].value, cst.SimpleString):
+            # self.register_buffer("bias", torch.tril(...)): what `self.bias` holds (rules read it)
+            name = node.args[0].value.evaluated_value
+            if isinstance(name, str):
+                exprs.setdefault(name, []).append(node.args[1].value)
     types = {k: next(iter(v)) for k, v in found.items() if len(v) == 1 and None not in v}
     return types, exprs
 

@@ -54,7 +54,7 @@ class CompiledRule:
 
 def _structural() -> dict:
     from kiln.adopt.detect import DETECTIONS
-    from kiln.adopt.structural import SDPA_RULE
+    from kiln.adopt.attention import SDPA_RULE
     return {r.name: r for r in [SDPA_RULE, *DETECTIONS]}
 
 
