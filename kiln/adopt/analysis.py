@@ -23,6 +23,10 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from kiln.adopt import canon
 from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Ref, Tuple, Var, format_structure
 
+# ops whose result is a new tensor (never a view of an input): `x += y` on one of those, read
+# nowhere else, is the same as `x = x + y`
+_FRESH = {"@", "+", "-", "*", "/", "softmax", "torch.bmm", ".bmm", "torch.baddbmm", ".baddbmm", "torch.einsum"}
+
 _BINOPS = {cst.Add: "+", cst.Subtract: "-", cst.Multiply: "*", cst.Divide: "/", cst.Power: "**",
            cst.MatrixMultiply: "@", cst.FloorDivide: "//", cst.Modulo: "%", cst.BitAnd: "operator.and_",
            cst.BitOr: "operator.or_", cst.BitXor: "operator.xor", cst.LeftShift: "operator.lshift",
@@ -72,13 +76,18 @@ class Function:
     reader_block: dict          # value name -> block of its (last) reader
     defs: dict                  # value name -> Node that defines it
     def_stmt: dict              # value name -> Stmt where it is (re)assigned, phis included
-    mutated: set                # values changed in place (x.add_(...), x += ...)
+    mutated: dict               # value changed in place (x.add_(...), x[i] = ...) -> lines of the changes
     local_names: set            # Python names local to the function
     name_version: dict          # id(cst.Name) -> value version that Name reads
     phis: dict = field(default_factory=dict)   # value after an `if` without else -> Phi
     init: dict = field(default_factory=dict)   # self attribute -> [expressions __init__ assigns to it]
     resolver: object = None
     merges: dict = field(default_factory=dict)  # value after if/else, with, try -> versions it may hold
+    # `x += y` where x was a fresh result read nowhere else: computed as `x = x + y` (not in
+    # `mutated`), but its old value was updated in place (sdpa's output must not be)
+    updated: set = field(default_factory=set)
+    # self attributes written in place (`self.cache_k[:b, s:e] = xk`) -> lines
+    attr_stores: dict = field(default_factory=dict)
 
     @property
     def title(self) -> str:
@@ -256,7 +265,9 @@ class _FunctionAnalyzer:
         self.reader_block: dict = {}
         self.defs: dict = {}
         self.def_stmt: dict = {}
-        self.mutated: set = set()
+        self.mutated: dict = {}
+        self.updated: set = set()
+        self.attr_stores: dict = {}
         self.block: Block | None = None
         self.stmt: Stmt | None = None
         params = fn.params
@@ -278,7 +289,7 @@ class _FunctionAnalyzer:
         return Function(self.cls, self.fn.name.value, self.params, self.line(self.fn), block, self.fn,
                         self.nodes, self.uses, self.reader_block, self.defs, self.def_stmt, self.mutated,
                         self.local_names, self.name_version, self.phis, self.init_exprs, self.resolver,
-                        self.merges)
+                        self.merges, self.updated, self.attr_stores)
 
     def _propagate_mutation(self) -> None:
         """`x += y` on the value after an `if` changes the very tensor each branch made (and the one
@@ -293,8 +304,8 @@ class _FunctionAnalyzer:
             node = self.defs.get(value)
             if node is not None and node.op == "=" and node.args and isinstance(node.args[0], Var):
                 sources.add(node.args[0].name)
-            for v in sources - self.mutated:
-                self.mutated.add(v)
+            for v in sources - set(self.mutated):
+                self.mutated[v] = set(self.mutated[value])
                 stack.append(v)
 
     def line(self, node) -> int:
@@ -357,11 +368,21 @@ class _FunctionAnalyzer:
             value = self.expr(st.value)
             target = self.expr(st.target)
             if isinstance(st.target, cst.Name) and isinstance(target, Var):
-                self.mutated.add(target.name)          # `x += y` updates a tensor in place
+                # `x += y` updates a tensor in place; when x is a fresh product or sum that nothing
+                # else has read (no alias can see the change) it computes what `x = x + y` does
+                made = self.defs.get(target.name)
+                fresh = made is not None and made.op in _FRESH and self.uses[target.name] == 1
+                if fresh:
+                    self.updated.add(target.name)
+                else:
+                    self.mark_mutated(target)
                 out = self.emit(_aug_op(st.operator), [target, value])
                 self.defs[out.name].line = self.stmt.line
                 self.rename(out, self.new_version(st.target.value))
-                self.mutated.add(self.env[st.target.value])
+                if fresh:               # a plain definition of the new value (a match may fold it)
+                    self.stmt.target = self.env[st.target.value]
+                else:
+                    self.mark_mutated(Var(self.env[st.target.value]))
             else:
                 self.opaque_reads(st.target)
         elif isinstance(st, cst.Return):
@@ -407,10 +428,16 @@ class _FunctionAnalyzer:
             self.opaque_reads(target)
 
     def mark_mutated(self, operand):
+        line = self.stmt.line if self.stmt is not None else 0
+        attr = None
         while isinstance(operand, (Attr, Item)):
+            attr = operand.name if isinstance(operand, Attr) else attr
             operand = operand.base
-        if isinstance(operand, Var):
-            self.mutated.add(operand.name)
+        if isinstance(operand, Var) and attr is not None and operand.name == self.self_name:
+            # `self.cache[:, a:b] = x`: a buffer of the module changes, not the module
+            self.attr_stores.setdefault(attr, set()).add(line)
+        elif isinstance(operand, Var):
+            self.mutated.setdefault(operand.name, set()).add(line)
 
     def compound(self, st):
         assigned = _assigned_names([st])

@@ -27,6 +27,7 @@ import libcst as cst
 from kiln.adopt.dsl import Node, Opaque, Var
 from kiln.adopt.expr import Expr, TreeBuilder, const
 from kiln.adopt.attention_flow import sdpa_locations
+from kiln.adopt.canon import SIGNATURES
 from kiln.adopt.dsl import Attr, Item, Tuple
 from kiln.adopt.rules import PYTHON_RULES
 from kiln.adopt.shapes import Ranks
@@ -130,6 +131,15 @@ def _contains_product(e: Expr) -> bool:
     return any(x.op in PRODUCTS for x in e.walk())
 
 
+def _on_score_path(e: Expr) -> bool:
+    """Is `e` the scores, possibly scaled, masked or cast (not a mask computed from them)?"""
+    if e.op in PRODUCTS:
+        return True
+    if e.op in ("*", "+", "to", ".masked_fill", "torch.masked_fill", "torch.where"):
+        return any(_on_score_path(a) for a in e.args)
+    return False
+
+
 def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
     """(Parts, None) for attention that can be rewritten, (Parts or None, reason) for attention that
     cannot, None for anything that is not hand-written attention."""
@@ -184,7 +194,7 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
             else:
                 return None
         elif logits.op == "+":
-            scored = [t for t in logits.args if _contains_product(t)]
+            scored = [t for t in logits.args if _on_score_path(t)]
             if len(scored) != 1:
                 return None
             parts.masks += [t for t in logits.args if t is not scored[0]]
@@ -201,6 +211,10 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
     k, why = _untranspose(ctx, kt, product, ranks)
     if k is None:
         return None
+    if product.op != "@":      # torch.bmm: 3-D operands only; the original fails on anything else
+        wrong = next((r for r in (_rank(ctx, q, ranks), _rank(ctx, k, ranks)) if r not in (None, 3)), None)
+        if wrong is not None:
+            return parts, f"torch.bmm takes 3-D tensors, but the source makes q or k {wrong}-D: the original fails here"
     q_factors, q_scale = _split_scale(ctx, q)
     k_factors, k_scale = _split_scale(ctx, k)
     parts.q = q_factors[0] if len(q_factors) == 1 else Expr("*", q_factors)
@@ -236,6 +250,8 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
 
 
 def _text(e: Expr) -> str:
+    if e.var:
+        return e.var.split(":")[0]
     if e.src is not None:
         return code_of(e.src)
     if e.op == "leaf":
@@ -362,8 +378,11 @@ def _number(ctx: Context, e: Expr, depth: int = 0):
             return None
         full = TreeBuilder(ctx.fn.nodes, inline=lambda name: name not in ctx.fn.mutated)
         return _number(ctx, ctx.normalize(full.node(node)), depth + 1)
-    if e.op.startswith(("torch.", ".")) and e.op not in ("torch.nn.Dropout",):
+    if e.op.startswith(("torch.", ".")):
         return "tensor"
+    if e.op in SIGNATURES and e.args:       # exp, tanh ...: a number of numbers, a tensor of tensors
+        kinds = {_number(ctx, a, depth + 1) for a in e.args}
+        return "number" if kinds == {"number"} else "tensor" if "tensor" in kinds else None
     return None
 
 
@@ -422,7 +441,7 @@ def find_sdpa(ctx: Context, node: Node, raw: Expr, tree: Expr):
     if reason is None:
         result = node.out.name if node.out is not None else None
         target = node.stmt.target
-        if any(v is not None and v in ctx.fn.mutated for v in (result, target)):
+        if any(v is not None and (v in ctx.fn.mutated or v in ctx.fn.updated) for v in (result, target)):
             reason = ("the attention output is modified in place afterwards (`+=`), which "
                       "scaled_dot_product_attention's backward does not allow")
     if reason is not None:
@@ -434,14 +453,15 @@ def _still_read(ctx: Context, node: Node, raw: Expr, env: dict, phis: list, part
     """The first value of the attention (scores, probabilities) that something besides the attention
     reads: then the explicit computation has to stay, and the rewrite would not remove it."""
     fn = ctx.fn
-    bound = set().union(*(e.vars for e in env.values() if isinstance(e, Expr)))
+    core = [e.var for e in parts.core if e.var]
+    bound = set().union(*(e.vars for e in env.values() if isinstance(e, Expr))) - set(core)
     folded = [v for v in raw.vars if v not in fn.phis and v not in bound]
     stmts = {id(fn.defs[v].stmt) for v in folded if fn.defs.get(v) is not None and fn.defs[v].stmt is not None}
     stmts.add(id(node.stmt))
     bodies = [p.body for p in phis]
     inside = [n for n in fn.nodes if n.stmt is not None and (id(n.stmt) in stmts or n.stmt.block in bodies)]
-    for v in sorted(folded, key=lambda v: fn.defs[v].line if v in fn.defs else 0):
-        if v.startswith("%"):
+    for v in sorted(set(core), key=lambda v: fn.defs[v].line if v in fn.defs else 0):
+        if v.startswith("%") or v not in folded:
             continue
         reads = sum(_count(n, v) for n in inside)
         if fn.uses[v] > reads:
@@ -491,12 +511,14 @@ def _returned(fn, value: str, depth: int = 0):
     for n in _returns(fn):
         if _reads(n, value):
             return n.line
-    if depth < 3:
-        for n in fn.nodes:
-            if n.out is not None and n.op in ("=", ".detach", "to", ".float") and _reads(n, value):
-                line = _returned(fn, n.out.name, depth + 1)
-                if line is not None:
-                    return line
+    if depth < 4:
+        later = [n.out.name for n in fn.nodes if n.out is not None and n.op in ("=", ".detach", "to") and _reads(n, value)]
+        later += [m for m, preds in fn.merges.items() if value in preds]
+        later += [phi.value for phi in fn.phis.values() if value in (phi.before, phi.inner)]
+        for v in later:
+            line = _returned(fn, v, depth + 1)
+            if line is not None:
+                return line
     return None
 
 

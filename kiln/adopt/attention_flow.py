@@ -150,6 +150,7 @@ def _trace_scores(ctx: Context, operand, blockers: list, seen: set, depth: int =
             blockers.append((node.line, _BLOCKERS[node.op]))
         return node
     helper = ctx.functions.get(node.op)
+    helper = helper if helper is not None and _mask_like(helper) else None
     if node.op not in _SCORE_STEPS and helper is None:
         return None
     for v in _tensor_vars(node):
@@ -208,3 +209,21 @@ def _trace_probs(fn: Function, value: str, blockers: list, seen: set, depth: int
                 return False
             end = end or hit
     return end
+
+
+def _mask_like(helper: Function) -> bool:
+    """Does the helper only add to or mask its first argument (`s + m`, `s.masked_fill(...)`,
+    `torch.where(c, s, ...)`, on some path)? A transform such as tanh soft-capping is not a mask:
+    attention whose scores always go through one is not a location."""
+    first = helper.params[0] if helper.params else None
+    for ret in _returns(helper):
+        value = ret.args[0] if ret.args else None
+        while isinstance(value, Var) and value.name in helper.defs:
+            node = helper.defs[value.name]
+            if node.op in ("+", "-", ".masked_fill", "torch.masked_fill", "torch.where") \
+                    and any(isinstance(a, Var) and a.name.split(":")[0] == first for a in node.args):
+                return True
+            value = node.args[0] if node.op == "=" and node.args else None
+        if isinstance(value, Opaque) and first in value.code and " if " in value.code and "+" in value.code:
+            return True                  # `s if m is None else s + m`
+    return False

@@ -64,7 +64,8 @@ _POSITIONAL = {"torch.nn.functional.softmax": ("dim", "_stacklevel", "dtype"), "
 _KEYWORDS = {"torch.dropout": {"train": "training"}}
 
 # Calls without side effects or randomness besides the canonical ops: moving or merging them is safe.
-PURE_CALLS = {".size", ".dim", ".numel", "len", "int", "float", "math.sqrt", "math.log", "math.exp"}
+PURE_CALLS = {".size", ".dim", ".numel", "len", "int", "float", "math.sqrt", "math.log", "math.exp",
+              "torch.nn.functional.normalize"}
 PURE_OPS = (frozenset(SIGNATURES) - {"dropout"}) | {"to"} | PURE_CALLS     # dropout draws random numbers
 
 

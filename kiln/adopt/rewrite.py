@@ -206,9 +206,17 @@ class _Plan:
         for p in self.phis:
             if p.block is not self.stmt.block:
                 raise Refusal(f"line {self.analysis.positions[p.if_cst].start.line}: cannot remove this `if`")
-        mutated = sorted(v for v in self.raw.reads if v in self.fn.mutated)
+        # The folded statements are evaluated at the replacement instead: a value changed in place
+        # from the first of them on would be read changed (earlier changes are harmless).
+        first = min([s.line for s in self.folded_stmts] + [self.stmt.line])
+        mutated = sorted(v for v in self.raw.reads if any(line >= first for line in self.fn.mutated.get(v, ())))
         if mutated:
-            raise Refusal(f"{mutated[0].split(':')[0]} is modified in place; not rewriting")
+            raise Refusal(f"`{mutated[0].split(':')[0]}` is modified in place while it is used here")
+        stored = sorted(e.value for e in self.raw.walk() if e.op == "." and e.args and e.args[0].op == "leaf"
+                        and e.args[0].value == ("var", self.fn.params[0] if self.fn.params else None)
+                        and any(first <= line < self.stmt.line for line in self.fn.attr_stores.get(e.value, ())))
+        if stored:
+            raise Refusal(f"`self.{stored[0]}` is written in place between the lines this rewrite joins")
         used = {n for line in replace for n in _names(line)}
         texts = {name: self.source_of(e, name) for name, e in self.env.items() if name in used}
         code = render(replace, texts, self.spell)

@@ -72,8 +72,14 @@ class Ranks:
         if op in _SAME_RANK and args:
             return self.of(fn, args[0], env, depth + 1)
         if op in _ELEMENTWISE:
-            ranks = [self.of(fn, a, env, depth + 1) for a in args if not isinstance(a, Const)]
-            return ranks[0] if ranks and None not in ranks and len(set(ranks)) == 1 else None
+            # broadcasting: the larger rank; a module attribute of unknown rank is taken for the
+            # scale it usually is (`q * self.scale`) only next to a tensor of known rank
+            ranks = [(a, self.of(fn, a, env, depth + 1)) for a in args if not isinstance(a, Const)]
+            known = [r for _, r in ranks if r is not None]
+            unknown = [a for a, r in ranks if r is None]
+            if not known or any(not isinstance(a, Attr) for a in unknown):
+                return None
+            return max(known)
         if op in ("torch.bmm", ".bmm"):
             return 3
         if op == "torch.cat" and args and isinstance(args[0], Tuple) and args[0].items:

@@ -114,6 +114,9 @@ class GuardBuilder(TreeBuilder):
         if not isinstance(body, cst.IndentedBlock) or not all(
                 isinstance(s, cst.SimpleStatementLine) and all(
                     isinstance(x, cst.Assign) and all(isinstance(t.target, cst.Name) for t in x.targets)
+                    # `s += m` on fresh scores nothing else reads is `s = s + m` (analysis: `updated`)
+                    or isinstance(x, cst.AugAssign) and isinstance(x.target, cst.Name)
+                    and isinstance(x.operator, cst.AddAssign) and phi.before in fn.updated
                     for x in s.body)
                 for s in body.body):
             return None
