@@ -3,7 +3,7 @@
 | rule | pattern | outcome |
 |---|---|---|
 | swiglu | `down(act(gate(x)) * up(x))`, act SiLU | act known SiLU (F.silu, nn.SiLU): `down(kiln.kernels.swiglu(gate(x), up(x)))`; act from `ACT2FN[config...]`: reported |
-| linear_gelu | a GELU (F.gelu, nn.GELU) straight on an nn.Linear's output | `kiln.kernels.linear_gelu(x, fc.weight, fc.bias, approximate=...)`; a config activation: reported |
+| linear_gelu | a GELU (F.gelu, nn.GELU, a config lookup) straight on a linear layer's output | `kiln.kernels.linear_gelu_of(x, fc, approximate=...)` / `linear_act(x, fc, act)`: through the module |
 | rope | `x * cos + rotate_half(x) * sin`, the helper checked to be the half-rotation | reported |
 | dropout_add_layernorm | `LayerNorm(Dropout(h) + residual)` | reported |
 | fused_qkv | three nn.Linear of equal in_features on one input | reported |
@@ -135,25 +135,27 @@ def _is_conv1d(e) -> bool:
 
 
 def _find_linear_gelu(ctx: Context, node: Node, raw, tree):
+    """GELU straight on a linear layer's output -> a kiln.kernels call that still goes through the
+    module: fused when it is a plain nn.Linear without hooks, `act(fc(x))` as written otherwise."""
     if len(tree.args) != 1 or (_linear_module(tree.args[0]) is None and not _is_conv1d(tree.args[0])):
         return None
-    kind, approx = activation(ctx, tree)
     linear = tree.args[0]
     env = {"$x": linear.args[0], "$fc": dict(linear.kw)["__module__"]}
-    if kind == "config" and (approx in GELU_NAMES or approx is None and not _config_known(ctx)):
-        # GELU by the config's default: checked again on every call by kiln.kernels.linear_act
-        env["$act"] = dict(tree.kw)["__module__"]
+    kw = dict(tree.kw)
+    if tree.op == "torch.nn.functional.gelu" and set(kw) <= {"approximate"}:
+        # F.gelu(fc(x), approximate=...): a literal, or whatever decides it at run time (a config field)
+        if "approximate" in kw:
+            env["$approx"] = kw["approximate"]
+            return Found(env, [Node("kiln.kernels.linear_gelu_of", (Var("$x"), Var("$fc")),
+                                    (("approximate", Var("$approx")),))])
+        return Found(env, [Node("kiln.kernels.linear_gelu_of", (Var("$x"), Var("$fc")))])
+    kind, approx = activation(ctx, tree)
+    module_gelu = kind == "gelu" and "__module__" in kw
+    if module_gelu or kind == "config" and (approx in GELU_NAMES or approx is None and not _config_known(ctx)):
+        # an activation module (nn.GELU, or one a config picks, checked on every call): keep calling it
+        env["$act"] = kw["__module__"]
         return Found(env, [Node("kiln.kernels.linear_act", (Var("$x"), Var("$fc"), Var("$act")))])
-    if kind != "gelu":
-        return None
-    weight = Attr(Var("$fc"), "weight")
-    lines = []
-    if _is_conv1d(linear):       # Conv1D stores its weight (in, out): the kernel takes weight.t()
-        lines.append(Node(".t", (weight,), out=Var("$w")))
-        weight = Var("$w")
-    lines.append(Node("kiln.kernels.linear_gelu", (Var("$x"), weight, Attr(Var("$fc"), "bias")),
-                      (("approximate", Const(approx)),)))
-    return Found(env, lines)
+    return None
 
 
 # -- rope ----------------------------------------------------------------------------------------

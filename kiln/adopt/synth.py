@@ -13,6 +13,7 @@ import re
 
 import libcst as cst
 
+from kiln.adopt import fallbacks
 from kiln.adopt.dsl import BINARY_OPS, Attr, Const, Item, Node, Opaque, Ref, Tuple, Var
 
 _ATOMIC = (cst.Name, cst.Attribute, cst.Call, cst.Subscript, cst.Integer, cst.Float, cst.SimpleString,
@@ -56,8 +57,12 @@ class Imports:
     def __init__(self, module: cst.Module):
         self.module = module
         self.bindings: dict[str, str] = {}          # local name -> qualified module/object
-        self.needed: set[str] = set()               # top-level modules to `import`
+        self.needed: set[str] = set()               # top-level modules to `import`, and kiln kernels
+        self.kernel_block = None                    # the `import kiln.kernels as kiln_kernels` block
         for stmt in module.body:
+            if fallbacks.is_block(stmt):
+                self.kernel_block = stmt
+                continue
             if not isinstance(stmt, cst.SimpleStatementLine):
                 continue
             for small in stmt.body:
@@ -83,6 +88,13 @@ class Imports:
 
         A module that must be imported for the spelling is added to `needed` (default: the set
         `add_needed` inserts); callers that may still give up pass their own set and merge it."""
+        if qualname.startswith("kiln.kernels."):
+            # `kiln_kernels.X`, imported by a block that falls back to plain PyTorch without kiln
+            clash = fallbacks.ALIAS in local_names or (fallbacks.ALIAS in self.module_names and self.kernel_block is None)
+            if clash or qualname.split(".")[2] not in fallbacks.EAGER:
+                raise Refusal(f"cannot spell {qualname}: the name {fallbacks.ALIAS!r} means something else here")
+            (self.needed if needed is None else needed).add(qualname)
+            return f"{fallbacks.ALIAS}.{qualname.split('.', 2)[2]}"
         best = None
         for local, target in self.bindings.items():
             if (qualname == target or qualname.startswith(target + ".")) and local not in local_names:
@@ -99,8 +111,20 @@ class Imports:
         return qualname
 
     def add_needed(self, module: cst.Module) -> cst.Module:
-        """Insert `import X` for each needed module after the last import at the top of the file."""
-        if not self.needed:
+        """Insert `import X` for each needed module after the last import at the top of the file,
+        then the kiln kernels' import block (replacing one of an earlier run)."""
+        kernels = {n.split(".")[2] for n in self.needed if n.startswith("kiln.kernels.")}
+        modules = {n for n in self.needed if not n.startswith("kiln.kernels.")}
+        if kernels and "torch" not in self.bindings:
+            modules.add("torch")             # the fallbacks spell torch.nn.functional...
+        if self.kernel_block is not None:
+            have = fallbacks.kernels_in(self.kernel_block)
+            if kernels <= have:
+                kernels = set()
+            else:                           # replace the earlier block by one for all the kernels
+                kernels |= have
+                module = module.with_changes(body=[s for s in module.body if not fallbacks.is_block(s)])
+        if not modules and not kernels:
             return module
         body = list(module.body)
         at = 0
@@ -110,7 +134,10 @@ class Imports:
                 at = i + 1
             else:
                 break
-        new = [cst.parse_statement(f"import {name}\n") for name in sorted(self.needed)]
+        new = [cst.parse_statement(f"import {name}\n") for name in sorted(modules)]
+        if kernels:
+            new.append(fallbacks.block(kernels).with_changes(
+                leading_lines=[cst.EmptyLine()] if at or new else []))
         return module.with_changes(body=body[:at] + new + body[at:])
 
 
