@@ -234,7 +234,7 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
     if any(m.op == "const" for m in parts.masks):
         return None
     reason = reason or why
-    if any(m.op == "guard" for m in parts.masks) and (len(parts.masks) > 1 or parts.keep):
+    if any(m.op == "guard" for m in parts.masks) and len(parts.masks) > 1:
         reason = reason or "the mask is added under `if ... is not None` together with other masks"
     inputs = {e.key for e in [q, k, v, parts.q, parts.k] + (list(q.args) if q.op == "*" else []) +
               (list(k.args) if k.op == "*" else [])}
@@ -250,6 +250,8 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
 
 
 def _text(e: Expr) -> str:
+    if e.op == "const":
+        return repr(e.value)
     if e.var:
         return e.var.split(":")[0]
     if e.src is not None:
@@ -400,7 +402,11 @@ def _lines(parts: Parts) -> tuple[list[Node], dict]:
         env["$mask"] = parts.masks[0] if len(parts.masks) == 1 else Expr("+", parts.masks)
     if parts.keep:
         env["$keep"] = parts.keep[0] if len(parts.keep) == 1 else Expr("operator.and_", parts.keep)
-    if parts.masks and parts.keep:     # masked_fill(-inf) then + mask: the mask where kept, -inf elsewhere
+    guard = parts.masks[0] if len(parts.masks) == 1 and parts.masks[0].op == "guard" else None
+    if guard is not None and parts.keep:   # an optional mask and a keep-mask: both when there is one
+        env["$mask"], env["$test"] = guard.args[0], Expr("leaf", value=("var", guard.value[1]), reads={guard.value[1]})
+        kwargs.append(("attn_mask", Opaque('torch.where($keep, $mask, float("-inf")) if $test is not None else $keep')))
+    elif parts.masks and parts.keep:     # masked_fill(-inf) then + mask: the mask where kept, -inf elsewhere
         kwargs.append(("attn_mask", Opaque('torch.where($keep, $mask, float("-inf"))')))
     elif parts.masks or parts.keep:
         kwargs.append(("attn_mask", Var("$mask" if parts.masks else "$keep")))

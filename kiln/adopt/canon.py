@@ -65,6 +65,10 @@ _KEYWORDS = {"torch.dropout": {"train": "training"}}
 
 # Calls without side effects or randomness besides the canonical ops: moving or merging them is safe.
 PURE_CALLS = {".size", ".dim", ".numel", "len", "int", "float", "math.sqrt", "math.log", "math.exp",
+              # views, casts and tensor-building functions: no side effects, no randomness
+              ".view", ".reshape", ".permute", ".contiguous", ".unsqueeze", ".squeeze", ".expand", ".flatten",
+              ".bool", ".type_as", ".masked_fill", ".detach", "torch.where", "torch.tril", "torch.triu",
+              "torch.ones", "torch.zeros", "torch.full", "torch.arange", "torch.finfo",
               "torch.nn.functional.normalize"}
 PURE_OPS = (frozenset(SIGNATURES) - {"dropout"}) | {"to"} | PURE_CALLS     # dropout draws random numbers
 

@@ -274,7 +274,14 @@ class _Plan:
             # Without its own parentheses: the replacement adds them where precedence needs them.
             return self.analysis.module.code_for_node(e.src.with_changes(lpar=[], rpar=[]))
         if e.op == "." and e.args:
-            return f"{self.source_of(e.args[0], var)}.{e.value}"
+            return f"{paren(self.source_of(e.args[0], var))}.{e.value}"
+        if e.op == "[]" and e.args:          # `mask[None, None, ...]` read as an operand
+            for value in e.value[1]:
+                self.check(value.split(":")[0], value, var)
+            return f"{paren(self.source_of(e.args[0], var))}[{e.value[0]}]"
+        if e.op in ("operator.invert", "operator.and_"):     # boolean masks: `~m`, `a & b`
+            parts = [paren(self.source_of(a, var)) for a in e.args]
+            return f"~{parts[0]}" if e.op == "operator.invert" else " & ".join(parts)
         # Made by normalization (`/ math.sqrt(d)` became `* rsqrt(d)`): print the normal form.
         # `** -0.5` rather than torch.rsqrt: it works on Python numbers and tensors alike.
         powers = {"rsqrt": "-0.5", "sqrt": "0.5"}
