@@ -206,15 +206,48 @@ def _rope_parts(ctx: Context, tree):
         return None
     for plain, rotated in (tree.args, reversed(tree.args)):
         for rot, sin in (rotated.args, reversed(rotated.args)):
-            if len(rot.args) != 1 or rot.kw or not is_rotate_half(ctx.functions.get(rot.op)):
+            x = _rotated_half(ctx, rot)
+            if x is None:
                 continue
-            x = rot.args[0]
             if not x.pure or sin.op == "const":
                 continue
             cos = [f for f in plain.args if f.key != x.key]
             if len(cos) == 1 and len(plain.args) == 2:
                 return x, cos[0], sin
     return None
+
+
+def _rotated_half(ctx: Context, rot):
+    """x when `rot` is the half rotation of x: a `rotate_half(x)` helper checked by is_rotate_half, or
+    the same written inline, `torch.cat((-x[..., h // 2:], x[..., :h // 2]), dim=-1)` with h the size
+    of x's last dim (`x.shape[-1]`, `x.size(-1)`, or a name holding it)."""
+    if len(rot.args) == 1 and not rot.kw and is_rotate_half(ctx.functions.get(rot.op)):
+        return rot.args[0]
+    kw = dict(rot.kw)
+    if rot.op != "torch.cat" or len(rot.args) != 1 or rot.args[0].op != "tuple" or len(rot.args[0].args) != 2 \
+            or set(kw) != {"dim"} or not (kw["dim"].is_num() and kw["dim"].value == -1.0):
+        return None
+    neg, lower = rot.args[0].args
+    if not (neg.op == "*" and len(neg.args) == 2 and neg.args[0].is_num() and neg.args[0].value == -1.0):
+        return None
+    upper = neg.args[1]
+    if upper.op != "[]" or lower.op != "[]" or upper.args[0].key != lower.args[0].key:
+        return None
+    x = lower.args[0]
+    if x.op != "leaf" or x.value[0] != "var":
+        return None
+    name = x.value[1].split(":")[0]
+    sizes = {f"{name}.shape[-1]", f"{name}.size(-1)"}
+    halves = {f"{h}//2" for h in sizes}
+    for value in set(upper.value[1]) | set(lower.value[1]):   # `h = x.size(-1)` or `half = h // 2` read by the index
+        d = ctx.fn.defs.get(value)
+        text = flat(code_of(d.stmt.cst.value)) if d is not None and d.stmt is not None \
+            and getattr(d.stmt.cst, "value", None) is not None else None
+        if text in sizes:
+            halves.add(f"{value.split(':')[0]}//2")
+        elif text in halves or text in {f"{h}//2" for h in sizes}:
+            halves.add(value.split(":")[0])
+    return x if (flat(upper.value[0]), flat(lower.value[0])) in {(f"...,{h}:", f"...,:{h}") for h in halves} else None
 
 
 ROPE_ALONE = ("kiln.kernels.rope rotates q and k in one call; this rotation has no partner with the same "
@@ -345,7 +378,7 @@ def _find_fused_qkv(ctx: Context, node: Node, raw, tree):
     if len(feats) != 1 or None in feats:
         return None
     return Found({}, None, "fusing the three projections changes the module's parameters (one stacked "
-                           "weight; checkpoints need converting): not rewritten")
+                           "weight; checkpoints need converting)")
 
 
 # -- linear_cross_entropy ------------------------------------------------------------------------
@@ -361,7 +394,21 @@ def _is_lm_head(ctx: Context, node: Node) -> bool:
     if getattr(node.module, "name", "") == "lm_head":
         return True
     width = _ctor_arg(ctx, ctx.builder.operand(node.module), 1, "out_features")
-    return width is not None and "vocab" in width.lower()
+    return width is not None and ("vocab" in width.lower() or width in _embedding_sizes(ctx))
+
+
+def _embedding_sizes(ctx: Context) -> set[str]:
+    """The vocabulary sizes of the token embeddings `__init__` builds (`nn.Embedding(V, d)`): a
+    Linear projecting back to that many outputs is the language-model head."""
+    sizes = set()
+    stack = [e for exprs in ctx.fn.init.values() for e in exprs]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, cst.Call) and ctx.qualname(e.func) == "torch.nn.Embedding" and e.args \
+                and e.args[0].keyword is None:
+            sizes.add(flat(code_of(e.args[0].value)))
+        stack.extend(e.children)
+    return sizes
 
 
 def _source_linear(ctx: Context, operand, depth=0):
