@@ -115,7 +115,8 @@ def handle(args) -> int:
             continue
         report += [m.to_json() for m in matches]
         for m in matches:
-            status = "rewritten" if m.applied else f"not rewritten: {m.reason}"
+            status = f"not rewritten: {m.reason}" if not m.applied else \
+                "rewritten" + (f"; needs {', '.join(m.requires)}" if m.requires else "")
             where = f"{m.cls}.{m.method}" if m.cls else m.method
             print(f"{path}:{m.first_line}-{m.last_line}: {m.rule} in {where} ({status})",
                   file=sys.stderr if args.diff else sys.stdout)

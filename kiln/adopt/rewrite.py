@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 
@@ -32,11 +32,12 @@ class Match:
     applied: bool
     reason: str | None = None
     file: str = "<string>"
+    requires: list = field(default_factory=list)   # what the rewritten code needs (torch >= 2.4 ...)
 
     def to_json(self) -> dict:
         return {"file": self.file, "rule": self.rule, "class": self.cls, "method": self.method,
                 "first_line": self.first_line, "last_line": self.last_line, "applied": self.applied,
-                "reason": self.reason}
+                "reason": self.reason, "requires": self.requires}
 
 
 def resolve_rules(rules) -> list[rules_mod.CompiledRule]:
@@ -116,7 +117,8 @@ def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename
                 consumed |= {id(n) for n in _walk(original)}
             for s in plan.delete:
                 consumed |= {id(n) for n in _walk(s)}
-            found.append(Match(rule.name, fn.cls, fn.name, plan.first_line, plan.last_line, True, file=filename))
+            found.append(Match(rule.name, fn.cls, fn.name, plan.first_line, plan.last_line, True, file=filename,
+                               requires=requirements(" ".join(code for _, code in plan.replace.values()))))
         imports.needed |= needed
     for block in _blocks(fn.body):
         nodes = [n for n in block.items if isinstance(n, Node)]
@@ -148,7 +150,7 @@ def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename
             m = Match(rule.name, fn.cls, fn.name, first, last, False, reason, file=filename)
             if replace is not None:
                 try:
-                    plan.apply(replace, edits)
+                    m.requires = requirements(plan.apply(replace, edits))
                     m.applied = True
                 except Refusal as exc:
                     m.reason = str(exc)
@@ -202,10 +204,12 @@ class _Plan:
     def apply(self, replace: list, edits: Edits):
         for s in self.folded_stmts:
             if not isinstance(s.line_node, cst.SimpleStatementLine) or s.block is not self.stmt.block:
-                raise Refusal(f"line {s.line}: cannot remove this statement")
+                raise Refusal(f"the statement at line {s.line} would have to be removed, and it sits in "
+                              f"another block or shares its line")
         for p in self.phis:
             if p.block is not self.stmt.block:
-                raise Refusal(f"line {self.analysis.positions[p.if_cst].start.line}: cannot remove this `if`")
+                raise Refusal(f"the `if` at line {self.analysis.positions[p.if_cst].start.line} would have to be "
+                              f"removed, and it sits in another block")
         # The folded statements are evaluated at the replacement instead: a value changed in place
         # from the first of them on would be read changed (earlier changes are harmless).
         first = min([s.line for s in self.folded_stmts] + [self.stmt.line])
@@ -225,6 +229,7 @@ class _Plan:
         self.imports.needed |= self.needed
         edits.delete |= {id(s.cst) for s in self.folded_stmts} | {id(p.if_cst) for p in self.phis}
         edits.keep_alive += [s.cst for s in self.folded_stmts] + [p.if_cst for p in self.phis]
+        return code
 
     def spell(self, qualname: str) -> str:
         return self.imports.spell(qualname, self.fn.local_names, self.needed)
@@ -239,8 +244,9 @@ class _Plan:
 
     def check(self, name: str, value: str, var: str):
         if self.visible(name) != value:
-            raise Refusal(f"{var} is `{name}` at line {self.fn.defs[value].line if value in self.fn.defs else '?'}, "
-                          f"but `{name}` holds another value where the replacement goes")
+            line = self.fn.defs[value].line if value in self.fn.defs else "?"
+            raise Refusal(f"the replacement reads `{name}` as assigned at line {line}, but `{name}` is assigned "
+                          f"again before the line the replacement goes to")
 
     def source_of(self, e: Expr, var: str) -> str:
         if e.var and e.var not in self.folded:
@@ -266,7 +272,8 @@ class _Plan:
         if e.src is not None:
             owner = self.node_by_cst.get(id(e.src))
             if not e.pure and owner is not None and owner.stmt is not self.stmt:
-                raise Refusal(f"{var} would move a call from line {owner.stmt.line}")
+                raise Refusal(f"`{_short(self.analysis.module.code_for_node(e.src))}` (line {owner.stmt.line}) "
+                              f"would run at line {self.stmt.line} instead, and calls may not be moved")
             for n in _cst_names(e.src):
                 value = self.fn.name_version.get(id(n))
                 if value is not None:
@@ -291,7 +298,22 @@ class _Plan:
             return f"{paren(self.source_of(e.args[0], var))} ** {paren(self.source_of(e.args[1], var))}"
         if e.op in ("*", "+"):
             return f" {e.op} ".join(paren(self.source_of(a, var)) for a in e.args)
-        raise Refusal(f"cannot print the expression bound to {var}")
+        raise Refusal(f"the rewrite cannot write its {var.lstrip('$')} argument back as source")
+
+
+def _short(code: str, width: int = 40) -> str:
+    code = " ".join(code.split())
+    return code if len(code) <= width else code[:width - 3] + "..."
+
+
+# What a rewritten expression needs beyond the PyTorch the file already used (reported per match).
+REQUIREMENTS = {"rms_norm(": "torch >= 2.4 (torch.nn.functional.rms_norm)",
+                "scaled_dot_product_attention(": "torch >= 2.1 (scaled_dot_product_attention with scale=)",
+                "kiln_kernels.": "kiln for the fused kernel (without kiln the file runs its plain-PyTorch fallback)"}
+
+
+def requirements(code: str) -> list[str]:
+    return [need for marker, need in REQUIREMENTS.items() if marker in code]
 
 
 def _names(node: Node) -> list[str]:

@@ -86,7 +86,7 @@ def test_report_json(good, tmp_path):
     data = json.loads(report.read_text())
     assert data["files"] == 1 and isinstance(data["seconds"], float)
     assert data["matches"] == [{"file": str(good), "rule": "silu", "class": None, "method": "f",
-                                "first_line": 6, "last_line": 6, "applied": True, "reason": None}]
+                                "first_line": 6, "last_line": 6, "applied": True, "reason": None, "requires": []}]
 
 
 def test_user_rule_file(good, tmp_path, capsys):
