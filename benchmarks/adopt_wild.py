@@ -188,18 +188,11 @@ def load(root: Path, rel: str, text: str, suffix: str):
     return module
 
 
-def _tensors(value):
-    import torch
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-
-
 def run_check(check: dict, original, rewritten) -> dict:
     """Build both (same weights), run forward and backward on the same inputs; max diffs."""
     import torch
+
+    from kiln.adopt.verify import _tensors
 
     def make(m):
         torch.manual_seed(0)

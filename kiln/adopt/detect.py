@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from kiln.adopt.configs import GELU_NAMES, SILU_NAMES
-from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Tuple, Var
+from kiln.adopt.dsl import Const, Item, Node, Opaque, Tuple, Var
 from kiln.adopt.rules import PYTHON_RULES
 from kiln.adopt.structural import Context, Found, StructuralRule, code_of, flat
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import libcst as cst
 
 from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Tuple, Var
+from kiln.adopt.structural import _returns
 
 _SAME_RANK = {"transpose", "to", ".contiguous", ".float", ".half", ".type_as", "dropout", ".clone", ".detach",
               "neg", "tanh", "sigmoid", "torch.nn.Dropout", "=", ".masked_fill", "softmax", ".expand_as"}
@@ -115,18 +116,6 @@ class Ranks:
 def _phi_preds(fn, name):
     phi = fn.phis.get(name)
     return [v for v in (phi.before, phi.inner) if v] if phi is not None else None
-
-
-def _returns(fn):
-    out, stack = [], [fn.body]
-    while stack:
-        for item in stack.pop().items:
-            if isinstance(item, Node):
-                if item.op == "return":
-                    out.append(item)
-            else:
-                stack.append(item)
-    return out
 
 
 def _plain_slices(index: str) -> bool:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from kiln.adopt.analysis import Function, Phi
-from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Tuple, Var
-from kiln.adopt.expr import Expr, TreeBuilder, const
+from kiln.adopt.dsl import Attr, Item, Node, Opaque, Tuple, Var
+from kiln.adopt.expr import Expr, TreeBuilder
 
 
 @dataclass
