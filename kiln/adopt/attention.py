@@ -423,7 +423,8 @@ def _lines(parts: Parts) -> tuple[list[Node], dict]:
 
 
 def find_sdpa(ctx: Context, node: Node, raw: Expr, tree: Expr):
-    if node.op not in PRODUCTS or node.stmt is None:
+    from kiln.adopt.attention_split import kept_explicit
+    if node.op not in PRODUCTS or node.stmt is None or kept_explicit(ctx.fn, node.stmt.line_node):
         return None
     ranks = Ranks(ctx.functions)
     builder = AttentionBuilder(ctx, node.stmt.block)
@@ -528,4 +529,9 @@ def _returned(fn, value: str, depth: int = 0):
     return None
 
 
-SDPA_RULE = StructuralRule("sdpa", PYTHON_RULES["sdpa"], find_sdpa, locate=sdpa_locations)
+def _splits(ctx: Context, spell):
+    from kiln.adopt.attention_split import explicit_splits
+    return explicit_splits(ctx, spell)
+
+
+SDPA_RULE = StructuralRule("sdpa", PYTHON_RULES["sdpa"], find_sdpa, locate=sdpa_locations, statements=_splits)

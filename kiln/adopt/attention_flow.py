@@ -43,11 +43,12 @@ _BLOCKERS = {"torch.max": "the scores are clamped", "torch.maximum": "the scores
 def sdpa_locations(ctx: Context) -> list[tuple[int, int, str]]:
     """(first line, last line, reason) of each hand-written attention found by data flow; the
     caller keeps those no tree match covers."""
+    from kiln.adopt.attention_split import kept_explicit
     fn = ctx.fn
     found = []
     for node in fn.nodes:
         last = _is_last_dim_softmax(ctx, node)
-        if not last or node.out is None:
+        if not last or node.out is None or node.stmt is None or kept_explicit(fn, node.stmt.line_node):
             continue
         blockers: list = []
         start = _trace_scores(ctx, node.args[0], blockers, set())
@@ -56,7 +57,9 @@ def sdpa_locations(ctx: Context) -> list[tuple[int, int, str]]:
         end = _trace_probs(fn, node.out.name, blockers, set())
         if start is None or end is None or end is False:
             continue
-        reasons = sorted(blockers, key=lambda b: b[0])
+        # The first blocker no rewrite gets past (a soft one, such as a head mask under `if`, could be
+        # kept on an explicit path: attention_split.py) is the reason; else the first soft one.
+        reasons = sorted(blockers, key=lambda b: (not b[2], b[0]))
         why = (f"{reasons[0][1]} (line {reasons[0][0]})" if reasons else
                "the attention is written in a form the rewrite does not take apart")
         found.append((min(start.line, node.line), max(end.line, node.line), why))
@@ -131,7 +134,7 @@ def _trace_scores(ctx: Context, operand, blockers: list, seen: set, depth: int =
         if hit is not None and ctx.phi_builder()._guarded(phi) is None:   # not `if m is not None: s = s + m`
             line, test = _if_line(fn, value)
             blockers.append((line, f"the scores are changed under `if {test}:`, which is not an optional "
-                                   f"additive mask"))
+                                   f"additive mask", False))
         return hit
     if value in fn.merges:
         hits = [_trace_scores(ctx, Var(p), blockers, seen, depth + 1) for p in sorted(fn.merges[value])]
@@ -139,7 +142,7 @@ def _trace_scores(ctx: Context, operand, blockers: list, seen: set, depth: int =
         if hit is not None:
             lines = [fn.defs[p].line for p in fn.merges[value] if p in fn.defs]
             blockers.append((min(lines) if lines else 0, "the scores are computed differently on the "
-                                                         "branches of an `if`/`else`"))
+                                                         "branches of an `if`/`else`", True))
         return hit
     node = fn.defs.get(value)
     if node is None:
@@ -147,7 +150,7 @@ def _trace_scores(ctx: Context, operand, blockers: list, seen: set, depth: int =
     if node.op in _SCORE_PRODUCTS and len(_tensor_vars(node)) + sum(
             not isinstance(a, (Var, Const)) for a in node.args) >= 2:
         if node.op in _BLOCKERS:
-            blockers.append((node.line, _BLOCKERS[node.op]))
+            blockers.append((node.line, _BLOCKERS[node.op], True))
         return node
     helper = ctx.functions.get(node.op)
     helper = helper if helper is not None and _mask_like(helper) else None
@@ -158,9 +161,9 @@ def _trace_scores(ctx: Context, operand, blockers: list, seen: set, depth: int =
         if hit is not None:
             if helper is not None:       # a mask or bias added by a helper the rewrite cannot see into
                 blockers.append((node.line, f"the scores go through `{node.op}(...)`, whose effect on them "
-                                            f"the rewrite cannot see"))
+                                            f"the rewrite cannot see", True))
             elif node.op in _BLOCKERS:
-                blockers.append((node.line, _BLOCKERS[node.op]))
+                blockers.append((node.line, _BLOCKERS[node.op], True))
             return hit
     return None
 
@@ -180,11 +183,15 @@ def _trace_probs(fn: Function, value: str, blockers: list, seen: set, depth: int
             end = node                    # probs @ v, or v @ probs^T
         elif node.op in ("return", "store") or _only_in_tuples(node, value) \
                 or node.op == "=" and isinstance(node.args[0], Opaque) and _packed(node.args[0].code, value):
-            blockers.append((node.line, "the attention probabilities are returned"))
+            # on every call: outside any `if`, and not in the true branch of a conditional expression
+            always = node.stmt is not None and node.stmt.block is fn.body and not any(
+                isinstance(a, Opaque) and " if " in a.code for a in node.args)
+            blockers.append((node.line, "the attention probabilities are returned" +
+                             (" on every call" if always else ""), always))
         elif node.op in _PROB_STEPS and node.out is not None and (node.op != "=" or isinstance(node.args[0], Var)) \
                 and (node.op not in (".permute", "transpose") or _swaps_last_two(node)):
             if node.op in (".view", ".reshape"):
-                blockers.append((node.line, "the probabilities are reshaped before the product with v"))
+                blockers.append((node.line, "the probabilities are reshaped before the product with v", True))
             flip = transposed != (node.op in (".permute", "transpose"))
             hit = _trace_probs(fn, node.out.name, blockers, seen, depth + 1, flip)
             if hit is False:
@@ -197,7 +204,7 @@ def _trace_probs(fn: Function, value: str, blockers: list, seen: set, depth: int
             inner = fn.defs.get(phi.inner)
             if value == phi.before and inner is not None and inner.op == "*":
                 blockers.append((inner.line, f"a head mask multiplies the attention probabilities under "
-                                             f"`if {code_of(phi.if_cst.test)}:`"))
+                                             f"`if {code_of(phi.if_cst.test)}:`", False))
             hit = _trace_probs(fn, phi.value, blockers, seen, depth + 1, transposed)
             if hit is False:
                 return False

@@ -266,6 +266,8 @@ class StatementRewrite:
     replace: dict
     delete: list
     needs: set          # qualified names the new code spells (imports)
+    drop: bool = False  # the deleted statements moved into the new code: drop them, comments and all
+    leading: list | None = None   # comment lines to put before the new statement (a whole-statement rewrite)
 
 
 def _plain_name(e) -> str | None:

@@ -101,6 +101,7 @@ def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename
     dsl_rules = [r for r in compiled if not isinstance(r, StructuralRule)]
     structural = [r for r in compiled if isinstance(r, StructuralRule)]
     ctx = Context(fn, builder, lambda e: normalize(e, memo), analysis.functions, configs)
+    ctx.analysis, ctx.imports = analysis, imports      # for rules that print source (attention_split)
     consumed: set[int] = set()          # id(cst) of expressions already folded into a match
     found = []
     for rule in structural:             # rewrites of whole statements (pairs of RoPE lines) come first
@@ -109,9 +110,12 @@ def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename
         needed: set = set()
         for plan in rule.statements(ctx, lambda q: imports.spell(q, fn.local_names, needed)):
             for original, code in plan.replace.values():
-                edits.replace[id(original)] = cst.parse_statement(code).body[0]
+                new = cst.parse_statement(code)      # a whole statement, or one small statement of a line
+                if plan.leading is not None:
+                    new = new.with_changes(leading_lines=plan.leading)
+                edits.replace[id(original)] = new.body[0] if isinstance(original, cst.BaseSmallStatement) else new
                 edits.keep_alive.append(original)
-            edits.delete |= {id(s) for s in plan.delete}
+            (edits.drop if plan.drop else edits.delete).update(id(s) for s in plan.delete)
             edits.keep_alive += plan.delete
             for original, _ in plan.replace.values():
                 consumed |= {id(n) for n in _walk(original)}

@@ -231,6 +231,7 @@ def _render_operand(op, values, spell) -> str:
 class Edits:
     replace: dict = field(default_factory=dict)   # id(original expression) -> new expression
     delete: set = field(default_factory=set)      # id(original small statement or compound statement)
+    drop: set = field(default_factory=set)        # id(whole statements moved elsewhere: nothing of them stays)
     keep_alive: list = field(default_factory=list)
 
     def replace_expr(self, original: cst.BaseExpression, code: str, top: bool):
@@ -259,10 +260,12 @@ class _Apply(cst.CSTTransformer):
     def _body(self, original_body, updated_body):
         body, carried = [], []
         for orig, upd in zip(original_body, updated_body):
+            if id(orig) in self.edits.drop:
+                continue
             if id(orig) in self.edits.delete:       # a whole compound statement (an `if` folded into a match)
                 carried += list(upd.leading_lines) + _comments(orig.body)
                 continue
-            if isinstance(orig, cst.SimpleStatementLine):
+            if isinstance(orig, cst.SimpleStatementLine) and isinstance(upd, cst.SimpleStatementLine):
                 kept = [u for o, u in zip(orig.body, upd.body) if id(o) not in self.edits.delete]
                 if not kept:
                     # Keep the comments of a deleted line: they move to the next statement.
@@ -298,6 +301,6 @@ def _walk_cst(node):
 
 
 def apply(module: cst.Module, edits: Edits, imports: Imports) -> str:
-    if not edits.replace and not edits.delete:
+    if not edits.replace and not edits.delete and not edits.drop:
         return module.code
     return imports.add_needed(module.visit(_Apply(edits))).code
