@@ -6,25 +6,28 @@
 """
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Callable
 
-import torch
-
-from kiln import optim
-from kiln.dialects.registry import dialects
 from kiln.errors import CaptureError, InputError, KilnError, StepError, UnsupportedError
-from kiln.guards import NonFiniteError
-from kiln.runtime.step import CompiledStep
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln import optim
+    from kiln.runtime.step import CompiledStep
 
 __all__ = ["compile", "explain", "dialects", "optim", "adopt", "CompiledStep", "KilnError", "CaptureError",
            "UnsupportedError", "InputError", "StepError", "NonFiniteError"]
 __version__ = "0.1.0"
 
 
-def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Callable | None = None,
+def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: Callable | None = None,
             dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
             max_programs: int = 8, verify: bool = False, tuning: str | None = None,
-            nonfinite: str = "raise", dynamic=None, fail_on_max_programs: bool = False) -> CompiledStep:
+            nonfinite: str = "raise", dynamic=None, fail_on_max_programs: bool = False) -> "CompiledStep":
     """Compile `model`'s training step.
 
     Args:
@@ -68,12 +71,13 @@ def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Call
     Returns a `CompiledStep`: `loss = step(...)` trains one step; `step.source()`, `step.explain()`,
     `step.state_dict()` / `step.load_state_dict()`.
     """
+    from kiln.runtime.step import CompiledStep
     return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
                         verify=verify, amp=amp, amp_overrides=amp_overrides, tuning=tuning,
                         nonfinite=nonfinite, dynamic=dynamic, fail_on_max_programs=fail_on_max_programs)
 
 
-def explain(step: CompiledStep, file=None, profile: bool = False) -> str:
+def explain(step: "CompiledStep", file=None, profile: bool = False) -> str:
     """Print (and return) a table of every op of the step's latest program: phase, dialect, output.
 
     `profile=True` adds each op's measured time and the split between matmul, attention, fused
@@ -82,9 +86,32 @@ def explain(step: CompiledStep, file=None, profile: bool = False) -> str:
     return step.explain(file=file, profile=profile)
 
 
+# Imported on first use, so that `import kiln` (and `kiln adopt`, which needs no torch) starts in
+# well under a second: torch and the compiler load when one of these is first touched.
+_LAZY = {"optim": ("kiln.optim", None), "dialects": ("kiln.dialects.registry", "dialects"),
+         "CompiledStep": ("kiln.runtime.step", "CompiledStep"), "NonFiniteError": ("kiln.guards", "NonFiniteError"),
+         "adopt": ("kiln.adopt", None)}
+
+
 def __getattr__(name: str):
-    # `kiln.adopt` (the source rewriter) loads libcst and lark: imported on first use, not with kiln
-    if name == "adopt":
-        import importlib
-        return importlib.import_module("kiln.adopt")
-    raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    value = getattr(value, attr) if attr else value
+    globals()[name] = value
+    return value
+
+
+class _Kiln(types.ModuleType):
+    """`kiln.dialects` is the selection function (`with kiln.dialects("aten"): ...`), as it was when
+    this module imported it eagerly; importing the subpackage `kiln.dialects` must not replace it
+    (the import system sets a loaded subpackage as its parent's attribute)."""
+
+    def __setattr__(self, name, value):
+        if name == "dialects" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Kiln

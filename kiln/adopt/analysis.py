@@ -22,6 +22,11 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.adopt import canon
 from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Ref, Tuple, Var, format_structure
+from kiln.adopt.scope import Resolver, _assigned_names, _code, _inherited_init, _self_types, _walk
+
+# ops whose result is a new tensor (never a view of an input): `x += y` on one of those, read
+# nowhere else, is the same as `x = x + y`
+_FRESH = {"@", "+", "-", "*", "/", "softmax", "torch.bmm", ".bmm", "torch.baddbmm", ".baddbmm", "torch.einsum"}
 
 _BINOPS = {cst.Add: "+", cst.Subtract: "-", cst.Multiply: "*", cst.Divide: "/", cst.Power: "**",
            cst.MatrixMultiply: "@", cst.FloorDivide: "//", cst.Modulo: "%", cst.BitAnd: "operator.and_",
@@ -72,13 +77,18 @@ class Function:
     reader_block: dict          # value name -> block of its (last) reader
     defs: dict                  # value name -> Node that defines it
     def_stmt: dict              # value name -> Stmt where it is (re)assigned, phis included
-    mutated: set                # values changed in place (x.add_(...), x += ...)
+    mutated: dict               # value changed in place (x.add_(...), x[i] = ...) -> lines of the changes
     local_names: set            # Python names local to the function
     name_version: dict          # id(cst.Name) -> value version that Name reads
     phis: dict = field(default_factory=dict)   # value after an `if` without else -> Phi
     init: dict = field(default_factory=dict)   # self attribute -> [expressions __init__ assigns to it]
     resolver: object = None
     merges: dict = field(default_factory=dict)  # value after if/else, with, try -> versions it may hold
+    # `x += y` where x was a fresh result read nowhere else: computed as `x = x + y` (not in
+    # `mutated`), but its old value was updated in place (sdpa's output must not be)
+    updated: set = field(default_factory=set)
+    # self attributes written in place (`self.cache_k[:b, s:e] = xk`) -> lines
+    attr_stores: dict = field(default_factory=dict)
 
     @property
     def title(self) -> str:
@@ -127,111 +137,6 @@ def analyze(source: str) -> ModuleAnalysis:
     return ModuleAnalysis(module, functions, positions, source)
 
 
-def _inherited_init(cls: cst.ClassDef, classes: dict, depth: int = 0):
-    """The `__init__` a class runs: its own, else that of its single base class when that base is
-    defined in the same file (`LlamaFlashAttention2(LlamaAttention)` builds q/k/v in the base's)."""
-    own = next((s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"), None)
-    if own is not None or depth > 8:
-        return own
-    bases = [b.value for b in cls.bases if b.keyword is None]
-    if len(bases) == 1 and isinstance(bases[0], cst.Name) and bases[0].value in classes \
-            and classes[bases[0].value] is not cls:
-        return _inherited_init(classes[bases[0].value], classes, depth + 1)
-    return None
-
-
-class Resolver:
-    """Qualified names of module-level names: `F` -> `torch.nn.functional` after
-    `import torch.nn.functional as F`, `nn.Linear` -> `torch.nn.Linear` after `from torch import nn`.
-
-    libcst's QualifiedNameProvider answers the same question but costs seconds per large file
-    (it builds every scope); within a method only module-level bindings matter here, since the
-    analysis treats every name the function assigns as a local value.  A name bound to two
-    different things at module level (say, in both branches of an `if`) resolves to nothing."""
-
-    def __init__(self, module: cst.Module):
-        self.bindings: dict[str, str | None] = {}
-        self._scan(module.body)
-
-    def _bind(self, name: str, target: str):
-        old = self.bindings.get(name, target)
-        self.bindings[name] = target if old == target else None
-
-    def _scan(self, body):
-        for stmt in body:
-            if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
-                self._bind(stmt.name.value, stmt.name.value)
-            elif isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
-                for small in stmt.body:
-                    self._small(small)
-            elif isinstance(stmt, (cst.If, cst.Try, cst.With, cst.For, cst.While)):
-                for part in [stmt] + [getattr(stmt, a, None) for a in ("orelse", "finalbody")] \
-                        + list(getattr(stmt, "handlers", ())):
-                    while isinstance(part, (cst.If, cst.Else, cst.Try, cst.With, cst.For, cst.While,
-                                            cst.ExceptHandler, cst.Finally)):
-                        self._scan(part.body.body if isinstance(part.body, cst.IndentedBlock) else [part.body])
-                        part = part.orelse if isinstance(part, cst.If) else None
-
-    def _small(self, small):
-        if isinstance(small, cst.Import):
-            for alias in small.names:
-                full = _code(alias.name)
-                if alias.asname is not None:
-                    self._bind(_code(alias.asname.name), full)
-                else:
-                    self._bind(full.split(".")[0], full.split(".")[0])
-        elif isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
-            base = "." * len(small.relative) + (_code(small.module) if small.module is not None else "")
-            for alias in small.names:
-                name = _code(alias.name)
-                local = _code(alias.asname.name) if alias.asname is not None else name
-                self._bind(local, f"{base}.{name}" if not base.endswith(".") else base + name)
-        elif isinstance(small, (cst.Assign, cst.AnnAssign, cst.AugAssign)):
-            for name in _assigned_names([small]):
-                self._bind(name, name)
-
-    def qualname(self, node) -> str | None:
-        if isinstance(node, cst.Name):
-            return self.bindings.get(node.value, node.value)    # unbound: a builtin, by its name
-        if isinstance(node, cst.Attribute):
-            base = self.qualname(node.value)
-            return None if base is None else f"{base}.{node.attr.value}"
-        return None
-
-
-def _self_types(init: cst.FunctionDef, resolver: Resolver) -> tuple[dict[str, str], dict]:
-    """`self.fc = nn.Linear(...)` in __init__ -> {"fc": "torch.nn.Linear"}; conflicting types drop out.
-
-    Also returns {attribute: [expressions assigned to it]} (rules read constructor arguments from
-    them: `nn.Softmax(dim=-1)`, `ACT2FN[config.hidden_act]`)."""
-    params = init.params.params
-    if not params:
-        return {}, {}
-    self_name = params[0].name.value
-    found: dict[str, set] = {}
-    exprs: dict[str, list] = {}
-    for node in _walk(init.body):
-        if isinstance(node, cst.Assign) and len(node.targets) == 1:
-            target = node.targets[0].target
-            if (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
-                    and target.value.value == self_name):
-                kind = None
-                if isinstance(node.value, cst.Call):
-                    kind = resolver.qualname(node.value.func)
-                found.setdefault(target.attr.value, set()).add(kind)
-                exprs.setdefault(target.attr.value, []).append(node.value)
-    types = {k: next(iter(v)) for k, v in found.items() if len(v) == 1 and None not in v}
-    return types, exprs
-
-
-def _walk(node):
-    stack = list(node) if isinstance(node, (list, tuple)) else [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        stack.extend(reversed(n.children))
-
-
 class _FunctionAnalyzer:
     def __init__(self, fn: cst.FunctionDef, cls: str | None, self_types: dict, resolver, positions,
                  init_exprs: dict | None = None):
@@ -248,7 +153,9 @@ class _FunctionAnalyzer:
         self.reader_block: dict = {}
         self.defs: dict = {}
         self.def_stmt: dict = {}
-        self.mutated: set = set()
+        self.mutated: dict = {}
+        self.updated: set = set()
+        self.attr_stores: dict = {}
         self.block: Block | None = None
         self.stmt: Stmt | None = None
         params = fn.params
@@ -270,7 +177,7 @@ class _FunctionAnalyzer:
         return Function(self.cls, self.fn.name.value, self.params, self.line(self.fn), block, self.fn,
                         self.nodes, self.uses, self.reader_block, self.defs, self.def_stmt, self.mutated,
                         self.local_names, self.name_version, self.phis, self.init_exprs, self.resolver,
-                        self.merges)
+                        self.merges, self.updated, self.attr_stores)
 
     def _propagate_mutation(self) -> None:
         """`x += y` on the value after an `if` changes the very tensor each branch made (and the one
@@ -285,8 +192,8 @@ class _FunctionAnalyzer:
             node = self.defs.get(value)
             if node is not None and node.op == "=" and node.args and isinstance(node.args[0], Var):
                 sources.add(node.args[0].name)
-            for v in sources - self.mutated:
-                self.mutated.add(v)
+            for v in sources - set(self.mutated):
+                self.mutated[v] = set(self.mutated[value])
                 stack.append(v)
 
     def line(self, node) -> int:
@@ -349,11 +256,21 @@ class _FunctionAnalyzer:
             value = self.expr(st.value)
             target = self.expr(st.target)
             if isinstance(st.target, cst.Name) and isinstance(target, Var):
-                self.mutated.add(target.name)          # `x += y` updates a tensor in place
+                # `x += y` updates a tensor in place; when x is a fresh product or sum that nothing
+                # else has read (no alias can see the change) it computes what `x = x + y` does
+                made = self.defs.get(target.name)
+                fresh = made is not None and made.op in _FRESH and self.uses[target.name] == 1
+                if fresh:
+                    self.updated.add(target.name)
+                else:
+                    self.mark_mutated(target)
                 out = self.emit(_aug_op(st.operator), [target, value])
                 self.defs[out.name].line = self.stmt.line
                 self.rename(out, self.new_version(st.target.value))
-                self.mutated.add(self.env[st.target.value])
+                if fresh:               # a plain definition of the new value (a match may fold it)
+                    self.stmt.target = self.env[st.target.value]
+                else:
+                    self.mark_mutated(Var(self.env[st.target.value]))
             else:
                 self.opaque_reads(st.target)
         elif isinstance(st, cst.Return):
@@ -399,10 +316,16 @@ class _FunctionAnalyzer:
             self.opaque_reads(target)
 
     def mark_mutated(self, operand):
+        line = self.stmt.line if self.stmt is not None else 0
+        attr = None
         while isinstance(operand, (Attr, Item)):
+            attr = operand.name if isinstance(operand, Attr) else attr
             operand = operand.base
-        if isinstance(operand, Var):
-            self.mutated.add(operand.name)
+        if isinstance(operand, Var) and attr is not None and operand.name == self.self_name:
+            # `self.cache[:, a:b] = x`: a buffer of the module changes, not the module
+            self.attr_stores.setdefault(attr, set()).add(line)
+        elif isinstance(operand, Var):
+            self.mutated.setdefault(operand.name, set()).add(line)
 
     def compound(self, st):
         assigned = _assigned_names([st])
@@ -581,90 +504,3 @@ def _root(e):
 def _root_name(e) -> str | None:
     root = _root(e)
     return root.value if isinstance(root, cst.Name) else None
-
-
-_CODE_MODULE = cst.Module(body=[])
-
-
-def _code(node) -> str:
-    if isinstance(node, (list, tuple)):
-        return ", ".join(_code(n) for n in node)
-    return _CODE_MODULE.code_for_node(node)
-
-
-class _AssignedNames(cst.CSTVisitor):
-    """Names bound by a piece of code, not descending into nested scopes (defs, lambdas, comprehensions)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: set[str] = set()
-        self.outer: set[str] = set()     # `global g` / `nonlocal g`: stores to another scope
-
-    def _target(self, t):
-        if isinstance(t, cst.Name):
-            self.names.add(t.value)
-        elif isinstance(t, (cst.Tuple, cst.List)):
-            for el in t.elements:
-                self._target(el.value)
-        elif isinstance(t, cst.StarredElement):
-            self._target(t.value)
-
-    def visit_AssignTarget(self, node):
-        self._target(node.target)
-
-    def visit_AnnAssign(self, node):
-        self._target(node.target)
-
-    def visit_AugAssign(self, node):
-        self._target(node.target)
-
-    def visit_For(self, node):
-        self._target(node.target)
-
-    def visit_WithItem(self, node):
-        if node.asname is not None:
-            self._target(node.asname.name)
-
-    def visit_ExceptHandler(self, node):
-        if node.name is not None:
-            self._target(node.name.name)
-
-    def visit_NamedExpr(self, node):
-        self._target(node.target)
-
-    def visit_Import(self, node):
-        for alias in node.names:
-            self.names.add(_code(alias.asname.name) if alias.asname else _code(alias.name).split(".")[0])
-
-    def visit_ImportFrom(self, node):
-        if not isinstance(node.names, cst.ImportStar):
-            for alias in node.names:
-                self.names.add(_code(alias.asname.name) if alias.asname else _code(alias.name))
-
-    def visit_Global(self, node):
-        self.outer.update(n.name.value for n in node.names)
-
-    visit_Nonlocal = visit_Global
-
-    def visit_FunctionDef(self, node):
-        self.names.add(node.name.value)
-        return False
-
-    def visit_ClassDef(self, node):
-        self.names.add(node.name.value)
-        return False
-
-    def _skip(self, node):
-        return False
-
-    visit_Lambda = visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _skip
-    # Dotted names and strings cannot bind anything (a walrus is not allowed in either).
-    visit_Attribute = visit_SimpleString = visit_FormattedString = visit_ConcatenatedString = _skip
-
-
-def _assigned_names(stmts) -> set[str]:
-    """Names bound by these statements (not descending into nested scopes' bodies)."""
-    visitor = _AssignedNames()
-    for st in stmts:
-        st.visit(visitor)
-    return visitor.names - visitor.outer

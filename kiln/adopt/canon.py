@@ -8,7 +8,7 @@ the rule loader (patterns) go through `canonical_call`, so they agree by constru
 """
 from __future__ import annotations
 
-from kiln.adopt.dsl import Const
+from kiln.adopt.dsl import Attr, Const
 
 # canonical op -> parameter names after the first (positional) input
 SIGNATURES: dict[str, tuple[str, ...]] = {
@@ -45,7 +45,7 @@ _ALIASES = {
     "**": ["torch.pow", "Tensor.pow", "math.pow"],
     "neg": ["torch.neg", "Tensor.neg", "torch.negative", "Tensor.negative"],
     "to": ["Tensor.to"],
-    "dropout": ["torch.nn.functional.dropout"],
+    "dropout": ["torch.nn.functional.dropout", "torch.dropout"],
     "transpose": ["torch.transpose", "Tensor.transpose", "torch.swapaxes", "Tensor.swapaxes",
                   "torch.swapdims", "Tensor.swapdims"],
 }
@@ -59,10 +59,17 @@ CAST_METHODS = {"float": "torch.float32", "half": "torch.float16", "bfloat16": "
                 "double": "torch.float64"}
 
 # torch.nn.functional.softmax(input, dim, _stacklevel, dtype): positional order differs.
-_POSITIONAL = {"torch.nn.functional.softmax": ("dim", "_stacklevel", "dtype")}
+_POSITIONAL = {"torch.nn.functional.softmax": ("dim", "_stacklevel", "dtype"), "torch.dropout": ("p", "training")}
+# keyword spellings of one parameter (torch.dropout's `train` is F.dropout's `training`)
+_KEYWORDS = {"torch.dropout": {"train": "training"}}
 
 # Calls without side effects or randomness besides the canonical ops: moving or merging them is safe.
-PURE_CALLS = {".size", ".dim", ".numel", "len", "int", "float", "math.sqrt", "math.log", "math.exp"}
+PURE_CALLS = {".size", ".dim", ".numel", "len", "int", "float", "math.sqrt", "math.log", "math.exp",
+              # views, casts and tensor-building functions: no side effects, no randomness
+              ".view", ".reshape", ".permute", ".contiguous", ".unsqueeze", ".squeeze", ".expand", ".flatten",
+              ".bool", ".type_as", ".masked_fill", ".detach", "torch.where", "torch.tril", "torch.triu",
+              "torch.ones", "torch.zeros", "torch.full", "torch.arange", "torch.finfo",
+              "torch.nn.functional.normalize"}
 PURE_OPS = (frozenset(SIGNATURES) - {"dropout"}) | {"to"} | PURE_CALLS     # dropout draws random numbers
 
 
@@ -87,6 +94,8 @@ def canonical_call(qualname: str, args: list, kwargs: list[tuple[str, object]], 
         return "to", [args[0], dtype_ref(CAST_METHODS[method])], []
     if method == "type" and len(args) == 2 and not kwargs:     # x.type(dtype); x.type() is a string
         return "to", list(args), []
+    if method == "type_as" and len(args) == 2 and not kwargs:  # x.type_as(y) is x.to(y.dtype)
+        return "to", [args[0], Attr(args[1], "dtype")], []
     op = CANONICAL.get(qualname)
     if op is None or not args:
         return None
@@ -105,7 +114,8 @@ def canonical_call(qualname: str, args: list, kwargs: list[tuple[str, object]], 
         return op, [args[0], other], []
     if op == "square":
         return ("**", [args[0], Const(2)], []) if not kwargs and len(args) == 1 else None
-    named = list(zip(names, args[1:])) + [(k, v) for k, v in kwargs if k not in ("input", "_stacklevel")]
+    renamed = _KEYWORDS.get(qualname, {})
+    named = list(zip(names, args[1:])) + [(renamed.get(k, k), v) for k, v in kwargs if k not in ("input", "_stacklevel")]
     named = [(k, v) for k, v in named if k != "_stacklevel"]
     if len({k for k, _ in named}) != len(named):
         return None

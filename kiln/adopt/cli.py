@@ -45,7 +45,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--diff", action="store_true", help="print a unified diff of the rewrites")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--write", action="store_true", help="rewrite the files in place (atomically)")
-    out.add_argument("--out", metavar="DIR", help="write rewritten files under DIR instead")
+    out.add_argument("--out", metavar="DIR", help="write the files that change under DIR (same relative paths)")
     p.add_argument("--no-backup", action="store_true", help="with --write: do not keep FILE.orig")
     p.add_argument("--rules", metavar="RULES",
                    help="comma-separated built-in rule names and/or .kiln rule files (default: all built-in)")
@@ -74,12 +74,12 @@ def handle(args) -> int:
     # Imported here so that `kiln --help` and other commands do not load libcst and lark.
     from kiln.adopt import rules as rules_mod
     from kiln.adopt.dsl import DSLError
-    from kiln.adopt.rewrite import AdoptError, parse_source, rewrite_source
 
     if args.list_rules:
-        for rule in rules_mod.load_builtin():
-            print(f"{rule.name:22} {rule.doc}")
+        for name, doc in rules_mod.builtin_docs():
+            print(f"{name:22} {doc}")
         return 0
+    from kiln.adopt.rewrite import AdoptError, parse_source, rewrite_source
     if args.verify is not None:
         return handle_verify(args)
     for flag, given in (("--json", args.json), ("--no-timing", args.no_timing)):
@@ -115,7 +115,8 @@ def handle(args) -> int:
             continue
         report += [m.to_json() for m in matches]
         for m in matches:
-            status = "rewritten" if m.applied else f"not rewritten: {m.reason}"
+            status = f"not rewritten: {m.reason}" if not m.applied else \
+                "rewritten" + (f"; needs {', '.join(m.requires)}" if m.requires else "")
             where = f"{m.cls}.{m.method}" if m.cls else m.method
             print(f"{path}:{m.first_line}-{m.last_line}: {m.rule} in {where} ({status})",
                   file=sys.stderr if args.diff else sys.stdout)
@@ -127,7 +128,7 @@ def handle(args) -> int:
             if not args.no_backup:
                 write_atomic(Path(str(path) + ".orig"), text, like=target)
             write_atomic(target, new_text, like=target)
-        elif args.out:
+        elif args.out and new_text != text:      # only the files a rule changed
             target = Path(args.out) / (path.relative_to(root) if root is not None else path.name)
             target.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(target, new_text, like=path)

@@ -3,7 +3,7 @@
 | rule | pattern | outcome |
 |---|---|---|
 | swiglu | `down(act(gate(x)) * up(x))`, act SiLU | act known SiLU (F.silu, nn.SiLU): `down(kiln.kernels.swiglu(gate(x), up(x)))`; act from `ACT2FN[config...]`: reported |
-| linear_gelu | a GELU (F.gelu, nn.GELU) straight on an nn.Linear's output | `kiln.kernels.linear_gelu(x, fc.weight, fc.bias, approximate=...)`; a config activation: reported |
+| linear_gelu | a GELU (F.gelu, nn.GELU, a config lookup) straight on a linear layer's output | `kiln.kernels.linear_gelu_of(x, fc, approximate=...)` / `linear_act(x, fc, act)`: through the module |
 | rope | `x * cos + rotate_half(x) * sin`, the helper checked to be the half-rotation | reported |
 | dropout_add_layernorm | `LayerNorm(Dropout(h) + residual)` | reported |
 | fused_qkv | three nn.Linear of equal in_features on one input | reported |
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import libcst as cst
 
 from kiln.adopt.configs import GELU_NAMES, SILU_NAMES
-from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Tuple, Var
+from kiln.adopt.dsl import Const, Item, Node, Opaque, Tuple, Var
+from kiln.adopt.rules import PYTHON_RULES
 from kiln.adopt.structural import Context, Found, StructuralRule, code_of, flat
 
 LINEAR = "torch.nn.Linear"
@@ -134,25 +135,27 @@ def _is_conv1d(e) -> bool:
 
 
 def _find_linear_gelu(ctx: Context, node: Node, raw, tree):
+    """GELU straight on a linear layer's output -> a kiln.kernels call that still goes through the
+    module: fused when it is a plain nn.Linear without hooks, `act(fc(x))` as written otherwise."""
     if len(tree.args) != 1 or (_linear_module(tree.args[0]) is None and not _is_conv1d(tree.args[0])):
         return None
-    kind, approx = activation(ctx, tree)
     linear = tree.args[0]
     env = {"$x": linear.args[0], "$fc": dict(linear.kw)["__module__"]}
-    if kind == "config" and (approx in GELU_NAMES or approx is None and not _config_known(ctx)):
-        # GELU by the config's default: checked again on every call by kiln.kernels.linear_act
-        env["$act"] = dict(tree.kw)["__module__"]
+    kw = dict(tree.kw)
+    if tree.op == "torch.nn.functional.gelu" and set(kw) <= {"approximate"}:
+        # F.gelu(fc(x), approximate=...): a literal, or whatever decides it at run time (a config field)
+        if "approximate" in kw:
+            env["$approx"] = kw["approximate"]
+            return Found(env, [Node("kiln.kernels.linear_gelu_of", (Var("$x"), Var("$fc")),
+                                    (("approximate", Var("$approx")),))])
+        return Found(env, [Node("kiln.kernels.linear_gelu_of", (Var("$x"), Var("$fc")))])
+    kind, approx = activation(ctx, tree)
+    module_gelu = kind == "gelu" and "__module__" in kw
+    if module_gelu or kind == "config" and (approx in GELU_NAMES or approx is None and not _config_known(ctx)):
+        # an activation module (nn.GELU, or one a config picks, checked on every call): keep calling it
+        env["$act"] = kw["__module__"]
         return Found(env, [Node("kiln.kernels.linear_act", (Var("$x"), Var("$fc"), Var("$act")))])
-    if kind != "gelu":
-        return None
-    weight = Attr(Var("$fc"), "weight")
-    lines = []
-    if _is_conv1d(linear):       # Conv1D stores its weight (in, out): the kernel takes weight.t()
-        lines.append(Node(".t", (weight,), out=Var("$w")))
-        weight = Var("$w")
-    lines.append(Node("kiln.kernels.linear_gelu", (Var("$x"), weight, Attr(Var("$fc"), "bias")),
-                      (("approximate", Const(approx)),)))
-    return Found(env, lines)
+    return None
 
 
 # -- rope ----------------------------------------------------------------------------------------
@@ -203,15 +206,48 @@ def _rope_parts(ctx: Context, tree):
         return None
     for plain, rotated in (tree.args, reversed(tree.args)):
         for rot, sin in (rotated.args, reversed(rotated.args)):
-            if len(rot.args) != 1 or rot.kw or not is_rotate_half(ctx.functions.get(rot.op)):
+            x = _rotated_half(ctx, rot)
+            if x is None:
                 continue
-            x = rot.args[0]
             if not x.pure or sin.op == "const":
                 continue
             cos = [f for f in plain.args if f.key != x.key]
             if len(cos) == 1 and len(plain.args) == 2:
                 return x, cos[0], sin
     return None
+
+
+def _rotated_half(ctx: Context, rot):
+    """x when `rot` is the half rotation of x: a `rotate_half(x)` helper checked by is_rotate_half, or
+    the same written inline, `torch.cat((-x[..., h // 2:], x[..., :h // 2]), dim=-1)` with h the size
+    of x's last dim (`x.shape[-1]`, `x.size(-1)`, or a name holding it)."""
+    if len(rot.args) == 1 and not rot.kw and is_rotate_half(ctx.functions.get(rot.op)):
+        return rot.args[0]
+    kw = dict(rot.kw)
+    if rot.op != "torch.cat" or len(rot.args) != 1 or rot.args[0].op != "tuple" or len(rot.args[0].args) != 2 \
+            or set(kw) != {"dim"} or not (kw["dim"].is_num() and kw["dim"].value == -1.0):
+        return None
+    neg, lower = rot.args[0].args
+    if not (neg.op == "*" and len(neg.args) == 2 and neg.args[0].is_num() and neg.args[0].value == -1.0):
+        return None
+    upper = neg.args[1]
+    if upper.op != "[]" or lower.op != "[]" or upper.args[0].key != lower.args[0].key:
+        return None
+    x = lower.args[0]
+    if x.op != "leaf" or x.value[0] != "var":
+        return None
+    name = x.value[1].split(":")[0]
+    sizes = {f"{name}.shape[-1]", f"{name}.size(-1)"}
+    halves = {f"{h}//2" for h in sizes}
+    for value in set(upper.value[1]) | set(lower.value[1]):   # `h = x.size(-1)` or `half = h // 2` read by the index
+        d = ctx.fn.defs.get(value)
+        text = flat(code_of(d.stmt.cst.value)) if d is not None and d.stmt is not None \
+            and getattr(d.stmt.cst, "value", None) is not None else None
+        if text in sizes:
+            halves.add(f"{value.split(':')[0]}//2")
+        elif text in halves or text in {f"{h}//2" for h in sizes}:
+            halves.add(value.split(":")[0])
+    return x if (flat(upper.value[0]), flat(lower.value[0])) in {(f"...,{h}:", f"...,:{h}") for h in halves} else None
 
 
 ROPE_ALONE = ("kiln.kernels.rope rotates q and k in one call; this rotation has no partner with the same "
@@ -230,6 +266,8 @@ class StatementRewrite:
     replace: dict
     delete: list
     needs: set          # qualified names the new code spells (imports)
+    drop: bool = False  # the deleted statements moved into the new code: drop them, comments and all
+    leading: list | None = None   # comment lines to put before the new statement (a whole-statement rewrite)
 
 
 def _plain_name(e) -> str | None:
@@ -342,7 +380,7 @@ def _find_fused_qkv(ctx: Context, node: Node, raw, tree):
     if len(feats) != 1 or None in feats:
         return None
     return Found({}, None, "fusing the three projections changes the module's parameters (one stacked "
-                           "weight; checkpoints need converting): not rewritten")
+                           "weight; checkpoints need converting)")
 
 
 # -- linear_cross_entropy ------------------------------------------------------------------------
@@ -358,7 +396,21 @@ def _is_lm_head(ctx: Context, node: Node) -> bool:
     if getattr(node.module, "name", "") == "lm_head":
         return True
     width = _ctor_arg(ctx, ctx.builder.operand(node.module), 1, "out_features")
-    return width is not None and "vocab" in width.lower()
+    return width is not None and ("vocab" in width.lower() or width in _embedding_sizes(ctx))
+
+
+def _embedding_sizes(ctx: Context) -> set[str]:
+    """The vocabulary sizes of the token embeddings `__init__` builds (`nn.Embedding(V, d)`): a
+    Linear projecting back to that many outputs is the language-model head."""
+    sizes = set()
+    stack = [e for exprs in ctx.fn.init.values() for e in exprs]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, cst.Call) and ctx.qualname(e.func) == "torch.nn.Embedding" and e.args \
+                and e.args[0].keyword is None:
+            sizes.add(flat(code_of(e.args[0].value)))
+        stack.extend(e.children)
+    return sizes
 
 
 def _source_linear(ctx: Context, operand, depth=0):
@@ -405,14 +457,14 @@ def _find_linear_cross_entropy(ctx: Context, node: Node, raw, tree):
 
 
 DETECTIONS = [
-    StructuralRule("swiglu", "down(silu(gate(x)) * up(x)) -> down(kiln.kernels.swiglu(gate(x), up(x)))", _find_swiglu),
-    StructuralRule("linear_gelu", "gelu(fc(x)) -> kiln.kernels.linear_gelu(x, fc.weight, fc.bias)", _find_linear_gelu),
-    StructuralRule("rope", "q * cos + rotate_half(q) * sin; k ... -> kiln.kernels.rope(q, k, cos, sin)", _find_rope,
+    StructuralRule("swiglu", PYTHON_RULES["swiglu"], _find_swiglu),
+    StructuralRule("linear_gelu", PYTHON_RULES["linear_gelu"], _find_linear_gelu),
+    StructuralRule("rope", PYTHON_RULES["rope"], _find_rope,
                    statements=rope_pairs),
-    StructuralRule("dropout_add_layernorm", "LayerNorm(Dropout(h) + residual) (report only)",
+    StructuralRule("dropout_add_layernorm", PYTHON_RULES["dropout_add_layernorm"],
                    _find_dropout_add_layernorm, locate=dropout_add_layernorm_locations),
-    StructuralRule("fused_qkv", "three nn.Linear of one input and equal in_features (report only)",
+    StructuralRule("fused_qkv", PYTHON_RULES["fused_qkv"],
                    _find_fused_qkv, overlaps=True),
-    StructuralRule("linear_cross_entropy", "cross-entropy of lm_head(h) logits (report only)",
+    StructuralRule("linear_cross_entropy", PYTHON_RULES["linear_cross_entropy"],
                    _find_linear_cross_entropy, overlaps=True),
 ]

@@ -325,7 +325,9 @@ def _line(tok) -> int:
     return getattr(tok, "line", 0) or 0
 
 
-_PARSER = Lark(GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+# cache=True: the LALR tables are stored once (in the temp dir, keyed by the grammar) and loaded after,
+# which keeps `kiln adopt --list-rules` and every start short
+_PARSER = Lark(GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True, cache=True)
 
 
 def _parse(text: str, filename: str) -> list:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 
@@ -32,11 +32,12 @@ class Match:
     applied: bool
     reason: str | None = None
     file: str = "<string>"
+    requires: list = field(default_factory=list)   # what the rewritten code needs (torch >= 2.4 ...)
 
     def to_json(self) -> dict:
         return {"file": self.file, "rule": self.rule, "class": self.cls, "method": self.method,
                 "first_line": self.first_line, "last_line": self.last_line, "applied": self.applied,
-                "reason": self.reason}
+                "reason": self.reason, "requires": self.requires}
 
 
 def resolve_rules(rules) -> list[rules_mod.CompiledRule]:
@@ -100,6 +101,7 @@ def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename
     dsl_rules = [r for r in compiled if not isinstance(r, StructuralRule)]
     structural = [r for r in compiled if isinstance(r, StructuralRule)]
     ctx = Context(fn, builder, lambda e: normalize(e, memo), analysis.functions, configs)
+    ctx.analysis, ctx.imports = analysis, imports      # for rules that print source (attention_split)
     consumed: set[int] = set()          # id(cst) of expressions already folded into a match
     found = []
     for rule in structural:             # rewrites of whole statements (pairs of RoPE lines) come first
@@ -108,15 +110,19 @@ def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename
         needed: set = set()
         for plan in rule.statements(ctx, lambda q: imports.spell(q, fn.local_names, needed)):
             for original, code in plan.replace.values():
-                edits.replace[id(original)] = cst.parse_statement(code).body[0]
+                new = cst.parse_statement(code)      # a whole statement, or one small statement of a line
+                if plan.leading is not None:
+                    new = new.with_changes(leading_lines=plan.leading)
+                edits.replace[id(original)] = new.body[0] if isinstance(original, cst.BaseSmallStatement) else new
                 edits.keep_alive.append(original)
-            edits.delete |= {id(s) for s in plan.delete}
+            (edits.drop if plan.drop else edits.delete).update(id(s) for s in plan.delete)
             edits.keep_alive += plan.delete
             for original, _ in plan.replace.values():
                 consumed |= {id(n) for n in _walk(original)}
             for s in plan.delete:
                 consumed |= {id(n) for n in _walk(s)}
-            found.append(Match(rule.name, fn.cls, fn.name, plan.first_line, plan.last_line, True, file=filename))
+            found.append(Match(rule.name, fn.cls, fn.name, plan.first_line, plan.last_line, True, file=filename,
+                               requires=requirements(" ".join(code for _, code in plan.replace.values()))))
         imports.needed |= needed
     for block in _blocks(fn.body):
         nodes = [n for n in block.items if isinstance(n, Node)]
@@ -148,7 +154,7 @@ def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename
             m = Match(rule.name, fn.cls, fn.name, first, last, False, reason, file=filename)
             if replace is not None:
                 try:
-                    plan.apply(replace, edits)
+                    m.requires = requirements(plan.apply(replace, edits))
                     m.applied = True
                 except Refusal as exc:
                     m.reason = str(exc)
@@ -202,13 +208,23 @@ class _Plan:
     def apply(self, replace: list, edits: Edits):
         for s in self.folded_stmts:
             if not isinstance(s.line_node, cst.SimpleStatementLine) or s.block is not self.stmt.block:
-                raise Refusal(f"line {s.line}: cannot remove this statement")
+                raise Refusal(f"the statement at line {s.line} would have to be removed, and it sits in "
+                              f"another block or shares its line")
         for p in self.phis:
             if p.block is not self.stmt.block:
-                raise Refusal(f"line {self.analysis.positions[p.if_cst].start.line}: cannot remove this `if`")
-        mutated = sorted(v for v in self.raw.reads if v in self.fn.mutated)
+                raise Refusal(f"the `if` at line {self.analysis.positions[p.if_cst].start.line} would have to be "
+                              f"removed, and it sits in another block")
+        # The folded statements are evaluated at the replacement instead: a value changed in place
+        # from the first of them on would be read changed (earlier changes are harmless).
+        first = min([s.line for s in self.folded_stmts] + [self.stmt.line])
+        mutated = sorted(v for v in self.raw.reads if any(line >= first for line in self.fn.mutated.get(v, ())))
         if mutated:
-            raise Refusal(f"{mutated[0].split(':')[0]} is modified in place; not rewriting")
+            raise Refusal(f"`{mutated[0].split(':')[0]}` is modified in place while it is used here")
+        stored = sorted(e.value for e in self.raw.walk() if e.op == "." and e.args and e.args[0].op == "leaf"
+                        and e.args[0].value == ("var", self.fn.params[0] if self.fn.params else None)
+                        and any(first <= line < self.stmt.line for line in self.fn.attr_stores.get(e.value, ())))
+        if stored:
+            raise Refusal(f"`self.{stored[0]}` is written in place between the lines this rewrite joins")
         used = {n for line in replace for n in _names(line)}
         texts = {name: self.source_of(e, name) for name, e in self.env.items() if name in used}
         code = render(replace, texts, self.spell)
@@ -217,6 +233,7 @@ class _Plan:
         self.imports.needed |= self.needed
         edits.delete |= {id(s.cst) for s in self.folded_stmts} | {id(p.if_cst) for p in self.phis}
         edits.keep_alive += [s.cst for s in self.folded_stmts] + [p.if_cst for p in self.phis]
+        return code
 
     def spell(self, qualname: str) -> str:
         return self.imports.spell(qualname, self.fn.local_names, self.needed)
@@ -231,8 +248,9 @@ class _Plan:
 
     def check(self, name: str, value: str, var: str):
         if self.visible(name) != value:
-            raise Refusal(f"{var} is `{name}` at line {self.fn.defs[value].line if value in self.fn.defs else '?'}, "
-                          f"but `{name}` holds another value where the replacement goes")
+            line = self.fn.defs[value].line if value in self.fn.defs else "?"
+            raise Refusal(f"the replacement reads `{name}` as assigned at line {line}, but `{name}` is assigned "
+                          f"again before the line the replacement goes to")
 
     def source_of(self, e: Expr, var: str) -> str:
         if e.var and e.var not in self.folded:
@@ -258,7 +276,8 @@ class _Plan:
         if e.src is not None:
             owner = self.node_by_cst.get(id(e.src))
             if not e.pure and owner is not None and owner.stmt is not self.stmt:
-                raise Refusal(f"{var} would move a call from line {owner.stmt.line}")
+                raise Refusal(f"`{_short(self.analysis.module.code_for_node(e.src))}` (line {owner.stmt.line}) "
+                              f"would run at line {self.stmt.line} instead, and calls may not be moved")
             for n in _cst_names(e.src):
                 value = self.fn.name_version.get(id(n))
                 if value is not None:
@@ -266,7 +285,14 @@ class _Plan:
             # Without its own parentheses: the replacement adds them where precedence needs them.
             return self.analysis.module.code_for_node(e.src.with_changes(lpar=[], rpar=[]))
         if e.op == "." and e.args:
-            return f"{self.source_of(e.args[0], var)}.{e.value}"
+            return f"{paren(self.source_of(e.args[0], var))}.{e.value}"
+        if e.op == "[]" and e.args:          # `mask[None, None, ...]` read as an operand
+            for value in e.value[1]:
+                self.check(value.split(":")[0], value, var)
+            return f"{paren(self.source_of(e.args[0], var))}[{e.value[0]}]"
+        if e.op in ("operator.invert", "operator.and_"):     # boolean masks: `~m`, `a & b`
+            parts = [paren(self.source_of(a, var)) for a in e.args]
+            return f"~{parts[0]}" if e.op == "operator.invert" else " & ".join(parts)
         # Made by normalization (`/ math.sqrt(d)` became `* rsqrt(d)`): print the normal form.
         # `** -0.5` rather than torch.rsqrt: it works on Python numbers and tensors alike.
         powers = {"rsqrt": "-0.5", "sqrt": "0.5"}
@@ -276,7 +302,22 @@ class _Plan:
             return f"{paren(self.source_of(e.args[0], var))} ** {paren(self.source_of(e.args[1], var))}"
         if e.op in ("*", "+"):
             return f" {e.op} ".join(paren(self.source_of(a, var)) for a in e.args)
-        raise Refusal(f"cannot print the expression bound to {var}")
+        raise Refusal(f"the rewrite cannot write its {var.lstrip('$')} argument back as source")
+
+
+def _short(code: str, width: int = 40) -> str:
+    code = " ".join(code.split())
+    return code if len(code) <= width else code[:width - 3] + "..."
+
+
+# What a rewritten expression needs beyond the PyTorch the file already used (reported per match).
+REQUIREMENTS = {"rms_norm(": "torch >= 2.4 (torch.nn.functional.rms_norm)",
+                "scaled_dot_product_attention(": "torch >= 2.1 (scaled_dot_product_attention with scale=)",
+                "kiln_kernels.": "kiln for the fused kernel (without kiln the file runs its plain-PyTorch fallback)"}
+
+
+def requirements(code: str) -> list[str]:
+    return [need for marker, need in REQUIREMENTS.items() if marker in code]
 
 
 def _names(node: Node) -> list[str]:

@@ -17,6 +17,19 @@ from kiln.adopt.match import match
 
 RULES_DIR = Path(__file__).with_name("rules")
 
+# The rules written in Python (attention.py, detect.py): name -> the line `--list-rules` shows.
+# Kept here so that listing them does not import libcst; the rule objects take their doc from it.
+PYTHON_RULES = {
+    "sdpa": "softmax(q @ k^T * scale + mask) @ v -> F.scaled_dot_product_attention (casts, masked_fill "
+            "and causal buffers, any k^T spelling)",
+    "swiglu": "down(silu(gate(x)) * up(x)) -> down(kiln.kernels.swiglu(gate(x), up(x)))",
+    "linear_gelu": "gelu(fc(x)) -> kiln.kernels.linear_act(x, fc, act): fused when fc is a plain nn.Linear",
+    "rope": "q * cos + rotate_half(q) * sin; k ... -> kiln.kernels.rope(q, k, cos, sin)",
+    "dropout_add_layernorm": "LayerNorm(Dropout(h) + residual) (report only)",
+    "fused_qkv": "three nn.Linear of one input and equal in_features (report only)",
+    "linear_cross_entropy": "cross-entropy of lm_head(h) logits (report only)",
+}
+
 
 @dataclass
 class CompiledVariant:
@@ -41,12 +54,20 @@ class CompiledRule:
 
 def _structural() -> dict:
     from kiln.adopt.detect import DETECTIONS
-    from kiln.adopt.structural import SDPA_RULE
+    from kiln.adopt.attention import SDPA_RULE
     return {r.name: r for r in [SDPA_RULE, *DETECTIONS]}
 
 
 def builtin_names() -> list[str]:
-    return sorted([p.stem for p in RULES_DIR.glob("*.kiln")] + list(_structural()))
+    return sorted([p.stem for p in RULES_DIR.glob("*.kiln")] + list(PYTHON_RULES))
+
+
+def builtin_docs() -> list[tuple[str, str]]:
+    """(name, doc) of every built-in rule, without loading the Python rules (libcst)."""
+    docs = dict(PYTHON_RULES)
+    for path in RULES_DIR.glob("*.kiln"):
+        docs.update((r.name, r.doc) for r in parse(path.read_text(), str(path)) if isinstance(r, Rule))
+    return sorted(docs.items())
 
 
 def load_builtin(names: list[str] | None = None) -> list:

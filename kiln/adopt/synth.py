@@ -13,6 +13,7 @@ import re
 
 import libcst as cst
 
+from kiln.adopt import fallbacks
 from kiln.adopt.dsl import BINARY_OPS, Attr, Const, Item, Node, Opaque, Ref, Tuple, Var
 
 _ATOMIC = (cst.Name, cst.Attribute, cst.Call, cst.Subscript, cst.Integer, cst.Float, cst.SimpleString,
@@ -56,8 +57,12 @@ class Imports:
     def __init__(self, module: cst.Module):
         self.module = module
         self.bindings: dict[str, str] = {}          # local name -> qualified module/object
-        self.needed: set[str] = set()               # top-level modules to `import`
+        self.needed: set[str] = set()               # top-level modules to `import`, and kiln kernels
+        self.kernel_block = None                    # the `import kiln.kernels as kiln_kernels` block
         for stmt in module.body:
+            if fallbacks.is_block(stmt):
+                self.kernel_block = stmt
+                continue
             if not isinstance(stmt, cst.SimpleStatementLine):
                 continue
             for small in stmt.body:
@@ -83,6 +88,13 @@ class Imports:
 
         A module that must be imported for the spelling is added to `needed` (default: the set
         `add_needed` inserts); callers that may still give up pass their own set and merge it."""
+        if qualname.startswith("kiln.kernels."):
+            # `kiln_kernels.X`, imported by a block that falls back to plain PyTorch without kiln
+            clash = fallbacks.ALIAS in local_names or (fallbacks.ALIAS in self.module_names and self.kernel_block is None)
+            if clash or qualname.split(".")[2] not in fallbacks.EAGER:
+                raise Refusal(f"cannot spell {qualname}: the name {fallbacks.ALIAS!r} means something else here")
+            (self.needed if needed is None else needed).add(qualname)
+            return f"{fallbacks.ALIAS}.{qualname.split('.', 2)[2]}"
         best = None
         for local, target in self.bindings.items():
             if (qualname == target or qualname.startswith(target + ".")) and local not in local_names:
@@ -99,8 +111,20 @@ class Imports:
         return qualname
 
     def add_needed(self, module: cst.Module) -> cst.Module:
-        """Insert `import X` for each needed module after the last import at the top of the file."""
-        if not self.needed:
+        """Insert `import X` for each needed module after the last import at the top of the file,
+        then the kiln kernels' import block (replacing one of an earlier run)."""
+        kernels = {n.split(".")[2] for n in self.needed if n.startswith("kiln.kernels.")}
+        modules = {n for n in self.needed if not n.startswith("kiln.kernels.")}
+        if kernels and "torch" not in self.bindings:
+            modules.add("torch")             # the fallbacks spell torch.nn.functional...
+        if self.kernel_block is not None:
+            have = fallbacks.kernels_in(self.kernel_block)
+            if kernels <= have:
+                kernels = set()
+            else:                           # replace the earlier block by one for all the kernels
+                kernels |= have
+                module = module.with_changes(body=[s for s in module.body if not fallbacks.is_block(s)])
+        if not modules and not kernels:
             return module
         body = list(module.body)
         at = 0
@@ -110,7 +134,10 @@ class Imports:
                 at = i + 1
             else:
                 break
-        new = [cst.parse_statement(f"import {name}\n") for name in sorted(self.needed)]
+        new = [cst.parse_statement(f"import {name}\n") for name in sorted(modules)]
+        if kernels:
+            new.append(fallbacks.block(kernels).with_changes(
+                leading_lines=[cst.EmptyLine()] if at or new else []))
         return module.with_changes(body=body[:at] + new + body[at:])
 
 
@@ -204,6 +231,7 @@ def _render_operand(op, values, spell) -> str:
 class Edits:
     replace: dict = field(default_factory=dict)   # id(original expression) -> new expression
     delete: set = field(default_factory=set)      # id(original small statement or compound statement)
+    drop: set = field(default_factory=set)        # id(whole statements moved elsewhere: nothing of them stays)
     keep_alive: list = field(default_factory=list)
 
     def replace_expr(self, original: cst.BaseExpression, code: str, top: bool):
@@ -232,10 +260,12 @@ class _Apply(cst.CSTTransformer):
     def _body(self, original_body, updated_body):
         body, carried = [], []
         for orig, upd in zip(original_body, updated_body):
+            if id(orig) in self.edits.drop:
+                continue
             if id(orig) in self.edits.delete:       # a whole compound statement (an `if` folded into a match)
                 carried += list(upd.leading_lines) + _comments(orig.body)
                 continue
-            if isinstance(orig, cst.SimpleStatementLine):
+            if isinstance(orig, cst.SimpleStatementLine) and isinstance(upd, cst.SimpleStatementLine):
                 kept = [u for o, u in zip(orig.body, upd.body) if id(o) not in self.edits.delete]
                 if not kept:
                     # Keep the comments of a deleted line: they move to the next statement.
@@ -271,6 +301,6 @@ def _walk_cst(node):
 
 
 def apply(module: cst.Module, edits: Edits, imports: Imports) -> str:
-    if not edits.replace and not edits.delete:
+    if not edits.replace and not edits.delete and not edits.drop:
         return module.code
     return imports.add_needed(module.visit(_Apply(edits))).code

@@ -17,13 +17,15 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.modules import module as _module
 
 from kiln.kernels._common import GPU_IMPLS
 from kiln.kernels import activations, cross_entropy, norms, rope as _rope  # noqa: F401  (registers the ops)
 from kiln.kernels.ctc import ctc_loss
 
 __all__ = ["rms_norm", "dropout_add_layer_norm", "linear_gelu", "swiglu", "swiglu_linear", "rope",
-           "linear_cross_entropy", "ctc_loss", "activation_kind", "linear_act", "act_mul", "GPU_IMPLS", "OPS"]
+           "linear_cross_entropy", "ctc_loss", "activation_kind", "linear_act", "linear_gelu_of", "act_mul", "GPU_IMPLS",
+           "OPS"]
 
 _k = torch.ops.kiln
 
@@ -148,19 +150,41 @@ def activation_kind(act) -> tuple[str, Optional[str]] | None:
 
 
 def linear_act(x: Tensor, linear: torch.nn.Module, act: Callable[[Tensor], Tensor]) -> Tensor:
-    """`act(linear(x))`, as one `linear_gelu` kernel when `act` is a GELU and `linear` an `nn.Linear`
-    (or transformers' `Conv1D`, GPT-2's linear layer with a transposed weight).
+    """`act(linear(x))`, as one `linear_gelu` kernel when `act` is a GELU and `linear` a plain
+    `nn.Linear` (or transformers' `Conv1D`, GPT-2's linear layer with a transposed weight).
 
-    The check runs on every call (a guard, not a rewrite-time guess), so a config that picks another
-    activation still computes `act(linear(x))` exactly. `kiln adopt` writes this call where the
-    activation comes from a config lookup."""
+    The checks run on every call (a guard, not a rewrite-time guess): a config that picks another
+    activation, a module with hooks, a quantized or LoRA-wrapped layer (any other class) all run
+    `act(linear(x))` exactly as written. `kiln adopt` writes this call for `act(fc(x))`."""
     kind = activation_kind(act)
-    if kind is not None and kind[0] == "gelu":
-        if type(linear) is torch.nn.Linear:
-            return linear_gelu(x, linear.weight, linear.bias, approximate=kind[1])
-        if _is_hf_conv1d(linear):       # y = x @ weight + bias, weight stored (in, out)
-            return linear_gelu(x, linear.weight.t(), linear.bias, approximate=kind[1])
+    weight = _plain_linear_weight(linear) if kind is not None and kind[0] == "gelu" else None
+    if weight is not None:
+        return linear_gelu(x, weight, linear.bias, approximate=kind[1])
     return act(linear(x))
+
+
+def linear_gelu_of(x: Tensor, linear: torch.nn.Module, approximate: str = "none") -> Tensor:
+    """`F.gelu(linear(x), approximate=approximate)`, as one `linear_gelu` kernel when `linear` is a plain
+    `nn.Linear` (or transformers' `Conv1D`) without hooks; otherwise exactly that call, through the
+    module (hooks fire, quantized or LoRA-wrapped layers run their own forward). `kiln adopt` writes
+    this call for `F.gelu(fc(x), approximate=...)`, whatever decides `approximate`."""
+    weight = _plain_linear_weight(linear) if approximate in ("none", "tanh") else None
+    if weight is not None:
+        return linear_gelu(x, weight, linear.bias, approximate=approximate)
+    return F.gelu(linear(x), approximate=approximate)
+
+
+def _plain_linear_weight(m) -> Optional[Tensor]:
+    """The (out, in) weight of a layer whose forward is exactly `F.linear(x, weight, bias)` and that
+    nothing observes (no forward hooks, its own or global), else None: the caller runs the module."""
+    if m._forward_hooks or m._forward_pre_hooks or _module._global_forward_hooks \
+            or _module._global_forward_pre_hooks:
+        return None
+    if type(m) is torch.nn.Linear:
+        return m.weight
+    if _is_hf_conv1d(m):                # y = x @ weight + bias, weight stored (in, out)
+        return m.weight.t()
+    return None
 
 
 def _is_hf_conv1d(m) -> bool:

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,8 +67,17 @@ def test_out_dir_mirrors_tree(tmp_path):
     out = tmp_path / "out"
     assert main(["adopt", str(src), "--out", str(out)]) == 0
     assert (out / "pkg" / "a.py").read_text() == REWRITTEN
-    assert (out / "b.py").read_text() == "x = 1\n"
+    assert not (out / "b.py").exists()          # unchanged files are not written
     assert (src / "pkg" / "a.py").read_text() == GOOD
+
+
+def test_list_rules_starts_without_torch_or_libcst():
+    # `kiln adopt --list-rules` (and the startup of every `kiln adopt`) must not import torch or libcst
+    code = ("import sys; from kiln.cli import main; main(['adopt', '--list-rules']); "
+            "print(sorted(m for m in ('torch', 'libcst') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.stdout.splitlines()[-1] == "[]"
 
 
 def test_report_json(good, tmp_path):
@@ -76,7 +86,7 @@ def test_report_json(good, tmp_path):
     data = json.loads(report.read_text())
     assert data["files"] == 1 and isinstance(data["seconds"], float)
     assert data["matches"] == [{"file": str(good), "rule": "silu", "class": None, "method": "f",
-                                "first_line": 6, "last_line": 6, "applied": True, "reason": None}]
+                                "first_line": 6, "last_line": 6, "applied": True, "reason": None, "requires": []}]
 
 
 def test_user_rule_file(good, tmp_path, capsys):

@@ -128,9 +128,9 @@ def test_match_record_fields():
     _, matches = rewrite_source(src, filename="m.py")
     assert [m.to_json() for m in matches] == [
         {"file": "m.py", "rule": "silu", "class": "A", "method": "act", "first_line": 5, "last_line": 5,
-         "applied": True, "reason": None},
+         "applied": True, "reason": None, "requires": []},
         {"file": "m.py", "rule": "silu", "class": None, "method": "g", "first_line": 8, "last_line": 8,
-         "applied": True, "reason": None}]
+         "applied": True, "reason": None, "requires": []}]
 
 
 def test_local_shadowing_import_name_is_refused():
@@ -182,3 +182,30 @@ def test_in_place_changes_refuse(mutation):
     _, new, matches = rewrite(src)
     assert [m.applied for m in matches] in ([], [False])
     assert "torch.nn.functional" not in new
+
+
+@pytest.mark.parametrize("src, rules, needs", [
+    ("import torch\n\ndef f(x, w):\n    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))\n",
+     ["rms_norm"], ["torch >= 2.4 (torch.nn.functional.rms_norm)"]),
+    ("import torch\n\ndef f(q, k, v):\n    return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v\n",
+     ["sdpa"], ["torch >= 2.1 (scaled_dot_product_attention with scale=)"]),
+    ("import torch\n\ndef f(x):\n    return x * torch.sigmoid(x)\n", ["silu"], []),
+])
+def test_each_rewrite_states_what_it_needs(src, rules, needs, capsys, tmp_path):
+    _, matches = rewrite_source(src, rules=rules)
+    assert [(m.applied, m.requires) for m in matches] == [(True, needs)]
+    from kiln.cli import main
+    path = tmp_path / "m.py"
+    path.write_text(src)
+    assert main(["adopt", str(path), "--rules", ",".join(rules)]) == 0
+    out = capsys.readouterr().out
+    assert ("; needs " + ", ".join(needs) if needs else "(rewritten)") in out
+
+
+def test_a_refusal_reason_reads_as_plain_words():
+    # the mask would have to move past a call: the reason names the code and the lines, not `$mask`
+    src = ("import torch\n\ndef f(q, k, v, m):\n    s = q @ k.transpose(-2, -1) + m.to_dense()\n"
+           "    print('x')\n    return torch.softmax(s, dim=-1) @ v\n")
+    _, matches = rewrite_source(src, rules=["sdpa"])
+    assert [m.applied for m in matches] == [False]
+    assert "$" not in matches[0].reason and "m.to_dense()" in matches[0].reason

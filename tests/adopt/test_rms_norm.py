@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tests.adopt.helpers import assert_same_numerics, rewrite
+from tests.adopt.helpers import load, assert_same_numerics, rewrite
 
 HEADER = """\
 import torch
@@ -147,9 +147,24 @@ def test_refuses_when_modified_in_place():
     import torch
 
     def f(h, w):
+        var = h.pow(2).mean(-1, keepdim=True)
         h.mul_(2)
-        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return w * (h * torch.rsqrt(var + 1e-6))
     """
     src, new, matches = rewrite(src)
     assert [m.applied for m in matches] == [False] and "in place" in matches[0].reason
     assert new == src
+
+
+def test_a_change_in_place_before_every_read_is_no_obstacle():
+    # the replacement reads `h` where the original first read it: after the change, like the original
+    src, new, matches = rewrite("""\
+    import torch
+
+    def f(h, w):
+        h.mul_(2)
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+    """)
+    assert [m.applied for m in matches] == [True]
+    h, w = torch.randn(3, 8), torch.randn(8)
+    torch.testing.assert_close(load(new, "n")["f"](h.clone(), w), load(src, "o")["f"](h.clone(), w))

@@ -89,8 +89,6 @@ def test_expected_text():
 @pytest.mark.parametrize("body", [
     # probabilities also returned / used elsewhere: not folded, so not rewritten
     "        att = torch.softmax(q @ k.transpose(-2, -1), dim=-1)\n        y = att @ v\n        self.last = att",
-    # transpose(2, 3) is the last two dims only for 4-D tensors
-    "        y = torch.softmax(q @ k.transpose(2, 3), dim=-1) @ v",
     # softmax over another dim
     "        y = torch.softmax(q @ k.transpose(-2, -1), dim=-2) @ v",
     # an elementwise product with the values is not attention
@@ -220,7 +218,7 @@ def test_returned_probabilities_are_reported_not_rewritten():
     _, new, matches = rewrite(src)
     assert new == src
     assert [(m.rule, m.applied, m.first_line, m.last_line) for m in matches] == [("sdpa", False, 6, 11)]
-    assert "returned" in matches[0].reason and "explicit path is kept" in matches[0].reason
+    assert matches[0].reason == "the attention probabilities `attn_weights` are also returned (line 12)"
 
 
 def test_not_returned_rewrites_with_mask_passed_through():
@@ -268,14 +266,26 @@ def test_head_mask_keeps_the_explicit_path():
     assert [(m.rule, m.applied) for m in matches] == [("sdpa", False)] and "head mask" in matches[0].reason
 
 
-@pytest.mark.parametrize("body", [
-    # the `if` also does something else with the scores
-    """\
-        attn_weights = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+def test_an_if_that_does_more_keeps_the_explicit_path():
+    # the `if` also does something else with the scores: explicit when it is entered, SDPA otherwise
+    body = """\
+        attn_weights = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask
             self.seen = attn_weights
-        y = torch.softmax(attn_weights, dim=-1) @ v""",
+        y = torch.softmax(attn_weights, dim=-1) @ v"""
+    src = MODULE.format(body=body).replace("def forward(self, x, mask)", "def forward(self, x, attention_mask)")
+    src, new, matches = rewrite(src, rules=["sdpa"])
+    assert [m.applied for m in matches] == [True] and "        if attention_mask is not None:  # kiln adopt" in new
+    assert "            y = F.scaled_dot_product_attention(q, k, v, scale=self.scale)\n" in new
+    for mask in (None, torch.randn(5, 5)):
+        torch.manual_seed(0)
+        ref, rew = load(src, "o")["Attention"]().eval(), load(new, "n")["Attention"]().eval()
+        rew.load_state_dict(ref.state_dict())
+        assert_same_training(ref, rew, torch.randn(2, 5, 16), mask, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("body", [
     # the guarded mask and another bias together: `None + bias` would fail
     """\
         attn_weights = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
@@ -297,19 +307,21 @@ def test_must_not_rewrite_hf_shapes(body):
 
 
 def test_if_with_other_work_is_not_folded():
+    # the `if` is not folded into the mask; the explicit path is kept for when it is entered
     src = HF.format(probs="        attn_weights = self.softmax(attn_weights)").replace(
         "            attn_weights = attn_weights + causal_mask\n",
         "            attn_weights = attn_weights + causal_mask\n            unused = print(causal_mask)\n")
     _, new, matches = rewrite(src)
-    assert [m for m in matches if m.applied] == [] and new == src
+    assert [m.applied for m in matches if m.rule == "sdpa"] == [True]
+    assert "        if attention_mask is not None:  # kiln adopt" in new
 
 
 def test_probabilities_returned_through_a_variable_are_reported():
     src = EAGER.format(dims="-2, -1", ret="outputs = (attn_output, attn_weights) if module.output_attentions "
                                           "else (attn_output,)\n    return outputs")
     _, new, matches = rewrite(src)
-    assert new == src and [(m.rule, m.applied) for m in matches] == [("sdpa", False)]
-    assert "returned" in matches[0].reason
+    assert [(m.rule, m.applied) for m in matches] == [("sdpa", True)]
+    assert "    if module.output_attentions:  # kiln adopt" in new and "        attn_weights = None\n" in new
 
 
 def test_two_guarded_additions_are_reported_not_rewritten():
@@ -330,4 +342,4 @@ def test_two_guarded_additions_are_reported_not_rewritten():
     src, new, matches = rewrite(src)
     assert new == src
     assert [(m.rule, m.applied) for m in matches] == [("sdpa", False)]
-    assert "together with other terms" in matches[0].reason
+    assert "together with other masks" in matches[0].reason

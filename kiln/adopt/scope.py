@@ -1,0 +1,210 @@
+"""What a module's names mean: imports, assignments in `__init__`, names a piece of code binds.
+
+`Resolver` gives module-level names their qualified meaning (`F` -> `torch.nn.functional`);
+`_self_types` reads what `__init__` assigns to `self.x` (the constructor's qualified name, and the
+expressions, which rules read: `nn.Softmax(dim=-1)`, `ACT2FN[config.hidden_act]`, a registered
+buffer); `_assigned_names` lists the names statements bind.  Used by `analysis.py`.
+"""
+from __future__ import annotations
+
+import libcst as cst
+
+
+def _inherited_init(cls: cst.ClassDef, classes: dict, depth: int = 0):
+    """The `__init__` a class runs: its own, else that of its single base class when that base is
+    defined in the same file (`LlamaFlashAttention2(LlamaAttention)` builds q/k/v in the base's)."""
+    own = next((s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"), None)
+    if own is not None or depth > 8:
+        return own
+    bases = [b.value for b in cls.bases if b.keyword is None]
+    if len(bases) == 1 and isinstance(bases[0], cst.Name) and bases[0].value in classes \
+            and classes[bases[0].value] is not cls:
+        return _inherited_init(classes[bases[0].value], classes, depth + 1)
+    return None
+
+
+class Resolver:
+    """Qualified names of module-level names: `F` -> `torch.nn.functional` after
+    `import torch.nn.functional as F`, `nn.Linear` -> `torch.nn.Linear` after `from torch import nn`.
+
+    libcst's QualifiedNameProvider answers the same question but costs seconds per large file
+    (it builds every scope); within a method only module-level bindings matter here, since the
+    analysis treats every name the function assigns as a local value.  A name bound to two
+    different things at module level (say, in both branches of an `if`) resolves to nothing."""
+
+    def __init__(self, module: cst.Module):
+        self.bindings: dict[str, str | None] = {}
+        self._scan(module.body)
+
+    def _bind(self, name: str, target: str):
+        old = self.bindings.get(name, target)
+        self.bindings[name] = target if old == target else None
+
+    def _scan(self, body):
+        for stmt in body:
+            if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+                self._bind(stmt.name.value, stmt.name.value)
+            elif isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
+                for small in stmt.body:
+                    self._small(small)
+            elif isinstance(stmt, (cst.If, cst.Try, cst.With, cst.For, cst.While)):
+                for part in [stmt] + [getattr(stmt, a, None) for a in ("orelse", "finalbody")] \
+                        + list(getattr(stmt, "handlers", ())):
+                    while isinstance(part, (cst.If, cst.Else, cst.Try, cst.With, cst.For, cst.While,
+                                            cst.ExceptHandler, cst.Finally)):
+                        self._scan(part.body.body if isinstance(part.body, cst.IndentedBlock) else [part.body])
+                        part = part.orelse if isinstance(part, cst.If) else None
+
+    def _small(self, small):
+        if isinstance(small, cst.Import):
+            for alias in small.names:
+                full = _code(alias.name)
+                if alias.asname is not None:
+                    self._bind(_code(alias.asname.name), full)
+                else:
+                    self._bind(full.split(".")[0], full.split(".")[0])
+        elif isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
+            base = "." * len(small.relative) + (_code(small.module) if small.module is not None else "")
+            for alias in small.names:
+                name = _code(alias.name)
+                local = _code(alias.asname.name) if alias.asname is not None else name
+                self._bind(local, f"{base}.{name}" if not base.endswith(".") else base + name)
+        elif isinstance(small, (cst.Assign, cst.AnnAssign, cst.AugAssign)):
+            for name in _assigned_names([small]):
+                self._bind(name, name)
+
+    def qualname(self, node) -> str | None:
+        if isinstance(node, cst.Name):
+            return self.bindings.get(node.value, node.value)    # unbound: a builtin, by its name
+        if isinstance(node, cst.Attribute):
+            base = self.qualname(node.value)
+            return None if base is None else f"{base}.{node.attr.value}"
+        return None
+
+
+def _self_types(init: cst.FunctionDef, resolver: Resolver) -> tuple[dict[str, str], dict]:
+    """`self.fc = nn.Linear(...)` in __init__ -> {"fc": "torch.nn.Linear"}; conflicting types drop out.
+
+    Also returns {attribute: [expressions assigned to it]} (rules read constructor arguments from
+    them: `nn.Softmax(dim=-1)`, `ACT2FN[config.hidden_act]`)."""
+    params = init.params.params
+    if not params:
+        return {}, {}
+    self_name = params[0].name.value
+    found: dict[str, set] = {}
+    exprs: dict[str, list] = {}
+    for node in _walk(init.body):
+        if isinstance(node, cst.Assign) and len(node.targets) == 1:
+            target = node.targets[0].target
+            if (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
+                    and target.value.value == self_name):
+                kind = None
+                if isinstance(node.value, cst.Call):
+                    kind = resolver.qualname(node.value.func)
+                found.setdefault(target.attr.value, set()).add(kind)
+                exprs.setdefault(target.attr.value, []).append(node.value)
+        elif isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) \
+                and node.func.attr.value == "register_buffer" and isinstance(node.func.value, cst.Name) \
+                and node.func.value.value == self_name and len(node.args) >= 2 \
+                and isinstance(node.args[0].value, cst.SimpleString):
+            # self.register_buffer("bias", torch.tril(...)): what `self.bias` holds (rules read it)
+            name = node.args[0].value.evaluated_value
+            if isinstance(name, str):
+                exprs.setdefault(name, []).append(node.args[1].value)
+    types = {k: next(iter(v)) for k, v in found.items() if len(v) == 1 and None not in v}
+    return types, exprs
+
+
+def _walk(node):
+    stack = list(node) if isinstance(node, (list, tuple)) else [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(reversed(n.children))
+
+
+_CODE_MODULE = cst.Module(body=[])
+
+
+def _code(node) -> str:
+    if isinstance(node, (list, tuple)):
+        return ", ".join(_code(n) for n in node)
+    return _CODE_MODULE.code_for_node(node)
+
+
+class _AssignedNames(cst.CSTVisitor):
+    """Names bound by a piece of code, not descending into nested scopes (defs, lambdas, comprehensions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+        self.outer: set[str] = set()     # `global g` / `nonlocal g`: stores to another scope
+
+    def _target(self, t):
+        if isinstance(t, cst.Name):
+            self.names.add(t.value)
+        elif isinstance(t, (cst.Tuple, cst.List)):
+            for el in t.elements:
+                self._target(el.value)
+        elif isinstance(t, cst.StarredElement):
+            self._target(t.value)
+
+    def visit_AssignTarget(self, node):
+        self._target(node.target)
+
+    def visit_AnnAssign(self, node):
+        self._target(node.target)
+
+    def visit_AugAssign(self, node):
+        self._target(node.target)
+
+    def visit_For(self, node):
+        self._target(node.target)
+
+    def visit_WithItem(self, node):
+        if node.asname is not None:
+            self._target(node.asname.name)
+
+    def visit_ExceptHandler(self, node):
+        if node.name is not None:
+            self._target(node.name.name)
+
+    def visit_NamedExpr(self, node):
+        self._target(node.target)
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            self.names.add(_code(alias.asname.name) if alias.asname else _code(alias.name).split(".")[0])
+
+    def visit_ImportFrom(self, node):
+        if not isinstance(node.names, cst.ImportStar):
+            for alias in node.names:
+                self.names.add(_code(alias.asname.name) if alias.asname else _code(alias.name))
+
+    def visit_Global(self, node):
+        self.outer.update(n.name.value for n in node.names)
+
+    visit_Nonlocal = visit_Global
+
+    def visit_FunctionDef(self, node):
+        self.names.add(node.name.value)
+        return False
+
+    def visit_ClassDef(self, node):
+        self.names.add(node.name.value)
+        return False
+
+    def _skip(self, node):
+        return False
+
+    visit_Lambda = visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _skip
+    # Dotted names and strings cannot bind anything (a walrus is not allowed in either).
+    visit_Attribute = visit_SimpleString = visit_FormattedString = visit_ConcatenatedString = _skip
+
+
+def _assigned_names(stmts) -> set[str]:
+    """Names bound by these statements (not descending into nested scopes' bodies)."""
+    visitor = _AssignedNames()
+    for st in stmts:
+        st.visit(visitor)
+    return visitor.names - visitor.outer
