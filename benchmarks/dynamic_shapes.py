@@ -59,6 +59,8 @@ def make_batch(i: int, b: int, t: int, vocab: int) -> dict:
 
 def worker(args) -> dict:
     """One mode's whole run, in this process."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = build(args.model, args.max_len)
     vocab = model.config.vocab_size
@@ -107,6 +109,8 @@ def worker(args) -> dict:
 def static_check(args) -> list[dict]:
     """Kiln's dynamic program vs a static one at each length, interleaved, after tuning settled."""
     import kiln
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     base = build(args.model, args.max_len)
     vocab = base.config.vocab_size
@@ -158,6 +162,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--settle", type=float, default=300.0, help="seconds to wait for tuning (--static-check)")
     p.add_argument("--progress", action="store_true", help="print progress every 20 batches")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per mode (default: torch's)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -169,7 +174,8 @@ def main() -> int:
             json.dump(result, f)
         return 0
     env = dict(machine=platform.processor() or platform.machine(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
-               threads=torch.get_num_threads(), torch=torch.__version__, command=" ".join(sys.argv))
+               threads=args.threads or torch.get_num_threads(), torch=torch.__version__, command=" ".join(sys.argv),
+               load_start=os.getloadavg()[0])
     if args.static_check:
         rows = static_check(args)
         report = dict(env, static_check=rows)
@@ -201,6 +207,7 @@ def main() -> int:
                 if other in results:
                     print(f"kiln total time vs {other}: {results[other]['total_s'] / results['kiln']['total_s']:.2f}x faster")
         report = dict(env, results=results)
+    report["load_end"] = os.getloadavg()[0]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

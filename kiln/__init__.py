@@ -27,7 +27,8 @@ __version__ = "0.1.0"
 def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: Callable | None = None,
             dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
             max_programs: int = 8, verify: bool = False, tuning: str | None = None,
-            nonfinite: str = "raise", dynamic=None, fail_on_max_programs: bool = False) -> "CompiledStep":
+            nonfinite: str = "raise", dynamic=None, fail_on_max_programs: bool = False,
+            memory_budget=None) -> "CompiledStep":
     """Compile `model`'s training step.
 
     Args:
@@ -50,6 +51,11 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: 
             first batch. False: one program per distinct shape. A dict names the dynamic dimensions, e.g.
             {"input_ids": {1: "seq"}, "labels": {1: "seq"}} (positional arguments by index); dimensions with
             one name are one size. `step.cache_info()` lists the programs, their symbolic sizes and guards.
+        memory_budget: the peak memory a step may take: bytes (an int, or "6GiB", "512MiB"), or a fraction
+            of the predicted peak without it (0.5). Kiln recomputes activations in the backward instead of
+            keeping them, cheapest first, until the predicted peak fits; a budget it cannot meet raises a
+            KilnError naming the smallest peak it can reach. `step.memory()` reports the peak, what is live
+            there and what was recomputed (`measure=True` checks it against the allocator).
         verify: run the graph verifier after every pass (slower compiles; for debugging).
         tuning: when kernels that are only sometimes faster than ATen's (Inductor regions, oneDNN) are
             compiled and measured on CPU. "online" (default, or $KILN_TUNING): the first step runs at
@@ -74,7 +80,8 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: 
     from kiln.runtime.step import CompiledStep
     return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
                         verify=verify, amp=amp, amp_overrides=amp_overrides, tuning=tuning,
-                        nonfinite=nonfinite, dynamic=dynamic, fail_on_max_programs=fail_on_max_programs)
+                        nonfinite=nonfinite, dynamic=dynamic, fail_on_max_programs=fail_on_max_programs,
+                        memory_budget=memory_budget)
 
 
 def explain(step: "CompiledStep", file=None, profile: bool = False) -> str:

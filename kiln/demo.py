@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import statistics
 import time
 import warnings
@@ -34,6 +35,11 @@ def register(sub) -> None:
     e.add_argument("--source", action="store_true", help="print the generated Python step instead")
     e.add_argument("--profile", action="store_true", help="also time every op (the batch replayed on copies of "
                    "the weights) and print the split between matmul, attention, fused ops, casts and optimizer")
+    e.add_argument("--memory", action="store_true", help="print the step's memory instead: the predicted peak, "
+                   "where it is, what is live there, what a budget made Kiln recompute, checked against the "
+                   "allocator on a replay")
+    e.add_argument("--memory-budget", help="compile under this budget (bytes, e.g. 200MiB, or a fraction of "
+                   "the unconstrained peak, e.g. 0.6)")
     e.set_defaults(func=run_explain)
 
 
@@ -67,14 +73,21 @@ def run_explain(args) -> int:
     import kiln
     model = _build(args, "explain")
     dialects = [d.strip() for d in args.dialects.split(",")] if args.dialects else None
+    budget = args.memory_budget
+    if budget is not None and re.fullmatch(r"0?\.\d+|1\.0*", budget):
+        budget = float(budget)
     try:
-        step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=args.lr), amp=args.amp, dialects=dialects)
+        step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=args.lr), amp=args.amp, dialects=dialects,
+                            memory_budget=budget)
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+        step(input_ids=ids, labels=ids)
     except kiln.KilnError as e:
         raise SystemExit(f"kiln explain: {e}")
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
-    step(input_ids=ids, labels=ids)
     if args.source:
         print(step.source())
+    elif args.memory:
+        from kiln.runtime.memory import allocated
+        print(step.memory(measure=allocated() is not None))
     else:
         kiln.explain(step, profile=args.profile)
     return 0

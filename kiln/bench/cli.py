@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -77,6 +78,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=120.0,
                    help="seconds per mode for the measured steps (warm-up: half): stop before a step "
                         "that would overrun it, after at least one; 0 = no budget (default 120)")
+    p.add_argument("--memory-budget", metavar="B",
+                   help="Kiln modes: kiln.compile(memory_budget=B), bytes (e.g. 900MiB) or a fraction of the "
+                        "unconstrained peak (e.g. 0.6); compile modes: torch._functorch.config."
+                        "activation_memory_budget=B (a fraction only)")
     p.add_argument("--settle", type=float, default=180.0,
                    help="Kiln modes tuning online (the default on CPU): after the warm-up, run unmeasured steps "
                         "until the kernels compiled and measured during training are chosen, for at most this "
@@ -122,16 +127,22 @@ def build_config(args: argparse.Namespace) -> dict:
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             raise ValueError(f"{flag} {path}: directory {folder} does not exist")
+    memory_budget = getattr(args, "memory_budget", None)
+    if memory_budget is not None:
+        from kiln.runtime.memory import parse_budget
+        memory_budget = parse_budget(float(memory_budget) if re.fullmatch(r"0?\.\d+|1(\.0*)?", memory_budget)
+                                     else memory_budget)
     config = {"model": args.model, "size": args.size, "overrides": overrides, "resolved": resolved,
               "seed": args.seed, "steps": args.steps, "warmup": args.warmup, "budget_s": args.budget,
               "settle_s": args.settle, "modes": names, "baseline": baseline,
-              "cold_cache": bool(getattr(args, "cold_cache", False))}
+              "cold_cache": bool(getattr(args, "cold_cache", False)), "memory_budget": memory_budget}
     parts = ["kiln bench", "--model", args.model, "--modes", ",".join(names), "--size", args.size]
     parts += [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
     parts += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", f"{args.budget:g}",
               "--settle", f"{args.settle:g}"]
     parts += ["--seed", str(args.seed)] if args.seed else []
     parts += ["--cold-cache"] if config["cold_cache"] else []
+    parts += ["--memory-budget", args.memory_budget] if memory_budget is not None else []
     parts += ["--baseline", args.baseline] if args.baseline else []
     parts += [x for flag, v in (("--json", args.json), ("--plot", args.plot)) if v for x in (flag, v)]
     config["command"] = " ".join(shlex.quote(p) if i else p for i, p in enumerate(parts))

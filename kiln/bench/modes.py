@@ -49,7 +49,14 @@ MODES: dict[str, Mode] = {m.name: m for m in (
 )}
 
 
-def _torch_step(model: torch.nn.Module, compiled: bool, bf16: bool) -> Step:
+def _torch_step(model: torch.nn.Module, compiled: bool, bf16: bool, memory_budget=None) -> Step:
+    if memory_budget is not None:
+        if not compiled:
+            raise Unavailable("eager PyTorch has no memory budget")
+        if not isinstance(memory_budget, float):
+            raise Unavailable("torch.compile's activation_memory_budget is a fraction: give --memory-budget as one")
+        import torch._functorch.config as functorch_config
+        functorch_config.activation_memory_budget = memory_budget
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     # Only the model is compiled: that is how torch.compile is normally used for
     # training, and it keeps the optimizer identical to the eager modes.
@@ -69,7 +76,7 @@ def _torch_step(model: torch.nn.Module, compiled: bool, bf16: bool) -> Step:
     return step
 
 
-def _kiln_step(model: torch.nn.Module, bf16: bool) -> Step:
+def _kiln_step(model: torch.nn.Module, bf16: bool, memory_budget=None) -> Step:
     try:
         kiln = importlib.import_module("kiln")
     except Exception as exc:  # a half-written package must not take the harness down
@@ -87,6 +94,8 @@ def _kiln_step(model: torch.nn.Module, bf16: bool) -> Step:
     kwargs: dict[str, Any] = {"optimizer": adamw(lr=LR, weight_decay=WEIGHT_DECAY)}
     if bf16:
         kwargs["amp"] = "bf16"
+    if memory_budget is not None:
+        kwargs["memory_budget"] = memory_budget
     try:
         return compile_fn(model, **kwargs)
     except NotImplementedError as exc:
@@ -97,14 +106,16 @@ def _kiln_step(model: torch.nn.Module, bf16: bool) -> Step:
         raise
 
 
-def make_step(mode: str, model: torch.nn.Module) -> Step:
-    """Build the step function of ``mode`` around ``model`` (raises Unavailable/ValueError)."""
+def make_step(mode: str, model: torch.nn.Module, memory_budget=None) -> Step:
+    """Build the step function of ``mode`` around ``model`` (raises Unavailable/ValueError). With
+    `memory_budget` (bytes or a fraction): Kiln's memory_budget, torch.compile's activation_memory_budget
+    (a fraction); eager has none."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     bf16 = MODES[mode].dtype == "bf16"
     if mode.startswith("kiln"):
-        return _kiln_step(model, bf16)
-    return _torch_step(model, compiled=mode.startswith("compile"), bf16=bf16)
+        return _kiln_step(model, bf16, memory_budget)
+    return _torch_step(model, compiled=mode.startswith("compile"), bf16=bf16, memory_budget=memory_budget)
 
 
 def parse_modes(text: str) -> list[str]:

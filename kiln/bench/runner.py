@@ -164,6 +164,7 @@ def run(config: dict, timeout_s: float, on_start: Callable[[str], None] | None =
     common = {k: config[k] for k in ("model", "size", "overrides", "seed", "steps", "warmup", "budget_s")}
     common["settle_s"] = config.get("settle_s", 0)
     common["cold_cache"] = bool(config.get("cold_cache"))
+    common["memory_budget"] = config.get("memory_budget")
     results = []
     for mode in config["modes"]:
         on_start and on_start(mode)

@@ -80,7 +80,7 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
     progress("compiling + first step" if known and known.compiles else "first step")
     start = time.perf_counter()
     try:
-        step = modes.make_step(spec["mode"], model)
+        step = modes.make_step(spec["mode"], model, memory_budget=spec.get("memory_budget"))
         if fault == "raise":
             raise RuntimeError("injected fault: this mode always fails")
         if fault == "exit":

@@ -31,6 +31,7 @@ from kiln.passes.dispatch import dispatch
 from kiln.passes.fuse import fuse
 from kiln.passes.noops import remove_noops
 from kiln.passes.regions import find_regions, place_regions
+from kiln.passes.remat import rematerialize
 from kiln.passes.verify import verify
 
 log = logging.getLogger("kiln")
@@ -47,6 +48,8 @@ class Context:
     timings: list[tuple[str, float, int]] = field(default_factory=list)   # (pass, seconds, nodes after)
     regions: list = field(default_factory=list)  # every fused region considered (kiln.passes.regions.Region)
     choices: list = field(default_factory=list)  # nodes whose measured kernel the tuner chooses (registry.select)
+    memory_budget: int | float | None = None     # bytes, or a fraction of the unconstrained peak (remat)
+    memory: object = None                        # what the remat pass decided (kiln.passes.remat.Plan)
 
 
 def add_backward_and_update(ctx: Context) -> int:
@@ -93,6 +96,13 @@ def _state_meta(p: Value, slot: str):
     return _scalar_meta(torch.float32) if slot == "step" else p.meta
 
 
+def _remat(ctx: Context) -> int:
+    if ctx.memory_budget is None:       # no budget: nothing to decide (step.memory() profiles the program)
+        return 0
+    ctx.memory = rematerialize(ctx.graph, ctx.memory_budget)
+    return len(ctx.memory.chosen)
+
+
 Pass = tuple[str, Callable[[Context], object]]
 
 PIPELINE: list[Pass] = [
@@ -110,6 +120,7 @@ PIPELINE: list[Pass] = [
     ("cse", lambda c: common_subexpression_elimination(c.graph)),
     ("dce", lambda c: dead_code_elimination(c.graph)),
     ("fuse", lambda c: fuse(c.graph, c.dialects, "training")),    # e.g. all AdamW updates -> one kernel
+    ("remat", _remat),                   # under a memory budget: activations recomputed in the backward
     ("regions", lambda c: c.regions.extend(find_regions(c.graph, c.dialects))),   # elementwise/reduction regions: kernels wanted
     ("dispatch", lambda c: dispatch(c.graph, c.dialects, c.choices)),   # each node -> a dialect's kernel (measured: a choice)
 ]

@@ -19,13 +19,15 @@ _counter = itertools.count()
 
 
 def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
-             times: list | None = None) -> tuple[str, Callable]:
+             times: list | None = None, memory: tuple | None = None) -> tuple[str, Callable]:
     """Source and function of `graph`. The function returns outputs[0] (the loss), or, with
     `return_all`, a tuple of every graph output (used by the VJP tests to read the gradients).
 
     With `times` (a list of len(graph.nodes) floats), every call is timed and its seconds added to
     `times[i]` (`kiln.explain(step, profile=True)`); the CPU kernels are synchronous, so the
-    wall-clock time around a call is the kernel's time."""
+    wall-clock time around a call is the kernel's time. With `memory` (a list of len(graph.nodes) ints and
+    a function returning the bytes allocated now), `memory[0][i]` is set to that count right after node i
+    runs, before anything it read last is freed (`step.memory(measure=True)`)."""
     taken = {v.name for n in graph.nodes for v in n.outputs} | {v.name for v in graph.inputs}
     sources = size_sources(graph.inputs)
     names = size_names(sources, taken)
@@ -50,6 +52,8 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
         else:
             lines += ["    _t0 = _clock()", "    " + call_line(n, syms), f"    _times[{i}] += _clock() - _t0"]
             at_line[len(lines) - 1] = n
+        if memory is not None:
+            lines.append(f"    _mem[{i}] = _allocated()")
         dead = [v.name for v in n.inputs if last_use.get(v) == i and v not in keep]
         dead += [o.name for o in n.outputs if o not in last_use and o not in keep]
         if dead:
@@ -71,6 +75,8 @@ def generate(graph: Graph, name: str = "kiln_step", return_all: bool = False,
     namespace = dict(syms.globals, _stage=stage)
     if times is not None:
         namespace.update(_clock=time.perf_counter, _times=times)
+    if memory is not None:
+        namespace.update(_mem=memory[0], _allocated=memory[1])
     fn = define(source, name, namespace, f"<kiln-step-{next(_counter)}>")
     fn.node_at_line = at_line            # read by the runtime to name the op a failure came from
     return source, fn

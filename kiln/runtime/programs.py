@@ -36,6 +36,7 @@ class Program:
     ran: bool = False             # has run to the end once (a program failing on its first call is evicted)
     calls: int = 0
     tuning: tuple = ((), ())      # the background workers and settle hooks its compilation prepared (Tuner.since)
+    memory: object = None         # what rematerialization decided under the memory budget (kiln.passes.remat.Plan)
 
     @property
     def dynamic(self) -> bool:

@@ -150,11 +150,12 @@ def static_signature(sizes: tuple, names: list[str]) -> Signature:
 
 
 def dynamic_signature(graph: Graph, names: list[str], nleaves: int, asked: dict | None,
-                      guards_before: int) -> Signature:
+                      guards_before: int, extra: list | None = None) -> Signature:
     """The signature of a program captured with symbolic sizes: its inputs' size expressions and every
     guard of its ShapeEnv, compiled to one Python check. `asked`: the dims the policy made dynamic (those
     that came out static are reported as specialized); `guards_before`: how many guards torch.export
-    recorded (the rest are Kiln's, reported as such)."""
+    recorded (the rest are Kiln's, reported as such); `extra`: more (sympy condition, why) pairs to check
+    (the memory budget)."""
     inputs = {int(v.source): v for v in graph.inputs if v.role is Role.INPUT and v.meta is not None}
     sizes = tuple(tuple(symbolic.concrete(s) for s in inputs[i].meta.shape) if i in inputs else None
                   for i in range(nleaves))
@@ -167,7 +168,7 @@ def dynamic_signature(graph: Graph, names: list[str], nleaves: int, asked: dict 
     lines = [f"    {sym} = sizes[{i}][{d}]" for sym, (i, d) in bound.items()]
     printer = symbolic.SizePrinter({sym: str(sym) for sym in bound})
     readable = symbolic.SizePrinter({sym: f"{names[i]}.size({d})" for sym, (i, d) in bound.items()})
-    checks, readable_guards = [], []
+    checks, readable_guards, upper = [], [], []
     for i, shape in enumerate(sizes):
         for d, size in enumerate(shape or ()):
             e = symbolic.expr(size)
@@ -182,11 +183,13 @@ def dynamic_signature(graph: Graph, names: list[str], nleaves: int, asked: dict 
                 checks.append(f"{sym} >= {int(r.lower)}")
             if isinstance(r.upper, sympy.Integer):
                 checks.append(f"{sym} <= {int(r.upper)}")
-                readable_guards.append(f"{_print_bool(sym <= int(r.upper), readable)}")
+                upper.append(_print_bool(sym <= int(r.upper), readable))
+    seen = set()
     for k, g in enumerate(env.guards):
         cond = env.simplify(g.expr)
-        if cond == sympy.true:
+        if cond == sympy.true or cond in seen:
             continue
+        seen.add(cond)
         missing = cond.free_symbols - set(bound)
         if missing:
             raise KilnError(f"a guard of the program ({cond}) reads sizes no argument gives "
@@ -194,13 +197,20 @@ def dynamic_signature(graph: Graph, names: list[str], nleaves: int, asked: dict 
         checks.append(_print_bool(cond, printer))
         who = "kiln" if k >= guards_before else "the model"
         where = _location(g)
-        readable_guards.append(f"{_print_bool(cond, readable)}  ({who}{': ' + where if where else ''})")
+        text = _print_bool(cond, readable)
+        readable_guards.append(f"{text}  ({who}{': ' + where if where else ''})")
+        upper = [u for u in upper if u != text]             # a range the guards already say
+    for cond, why in extra or ():
+        if cond.free_symbols - set(bound):
+            continue                       # sizes no argument gives: not checkable, and not needed for exactness
+        checks.append(_print_bool(cond, printer))
+        readable_guards.append(f"{_print_bool(cond, readable)}  ({why})")
     name = f"kiln_accepts_{next(_count)}"
     body = "\n".join(lines + [f"    return {' and '.join(f'({c})' for c in checks) or 'True'}"])
     source = f"def {name}(sizes):\n{body}\n"
     from kiln.runtime.codegen import define
     fn = define(source, name, {"math": __import__("math"), "torch": torch}, f"<{name}>")
-    return Signature(sizes, names, True, list(dict.fromkeys(readable_guards)), _specialized(asked, sizes, names),
+    return Signature(sizes, names, True, upper + readable_guards, _specialized(asked, sizes, names),
                      fn, source)
 
 
@@ -221,17 +231,18 @@ def _sources(sizes: tuple) -> dict:
 
 
 def _location(guard) -> str:
-    """Where a guard was decided: the model's line if the ShapeEnv knows it, else the framework's."""
+    """Where a guard was decided, when that is the model's code or Kiln's (a frame inside torch, where most
+    of export's guards are recorded, says nothing to the user)."""
+    import os
     sloc = getattr(guard, "sloc", None)
-    if sloc is None:
-        return ""
     user = getattr(sloc, "maybe_user_loc", None)
     if user:
         return str(user)
     frame = getattr(sloc, "framework_loc", None)
-    if frame is None:
+    filename = getattr(frame, "filename", "")
+    if not filename or filename.startswith(os.path.dirname(torch.__file__)):
         return ""
-    return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if hasattr(frame, "filename") else str(frame)
+    return f"{filename.rsplit('/', 1)[-1]}:{frame.lineno}"
 
 
 def _specialized(asked: dict | None, sizes: tuple, names: list[str]) -> list[str]:

@@ -20,7 +20,7 @@ from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
 from kiln.passes.pipeline import AFTER_TUNING, AMP_STATE, Context, run_pipeline
-from kiln.runtime import checkpoint, shapes
+from kiln.runtime import checkpoint, memory, shapes
 from kiln.runtime.codegen import generate
 from kiln.runtime.failures import describe_failure
 from kiln.runtime.programs import CacheInfo, Program, ProgramCache
@@ -70,7 +70,8 @@ class CompiledStep:
     def __init__(self, model: torch.nn.Module, optimizer: Optimizer, loss_fn: Callable | None = None,
                  dialects=None, max_programs: int = 8, verify: bool = False, amp: str | None = None,
                  amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16, tuning: str | None = None,
-                 nonfinite: str = "raise", dynamic: Any = None, fail_on_max_programs: bool = False):
+                 nonfinite: str = "raise", dynamic: Any = None, fail_on_max_programs: bool = False,
+                 memory_budget: Any = None):
         if not isinstance(model, torch.nn.Module):
             raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -85,6 +86,7 @@ class CompiledStep:
             raise KilnError(f"{type(model).__name__} has no trainable parameters (all requires_grad=False)")
         self.dialects = dialect_registry.check_names(dialects) if dialects is not None else None
         self.policy = shapes.Policy(dynamic)  # which dimensions new programs make symbolic
+        self.memory_budget = memory.parse_budget(memory_budget)   # bytes, a fraction of the peak, or None
         self.cache = ProgramCache(max_programs)
         self.fail_on_max_programs = bool(fail_on_max_programs)
         if tuning is not None and tuning not in measure.TUNINGS:
@@ -298,7 +300,7 @@ class CompiledStep:
             env = symbolic.shape_env([v.meta.shape for v in graph.inputs if v.meta is not None])   # are eager's
             guards_before = len(env.guards) if env is not None else 0
             ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
-                                       nonfinite=self.nonfinite))
+                                       nonfinite=self.nonfinite, memory_budget=self.memory_budget))
             t1 = time.perf_counter()        # the passes asked; the tuner compiles, measures, prepares workers
             mark = self.tuner.mark()
             self.tuner.realize(ctx)
@@ -308,7 +310,7 @@ class CompiledStep:
         signature = None
         if env is not None:                 # every guard recorded so far goes into the signature's check
             signature = shapes.dynamic_signature(ctx.graph, export.leaf_names(args, kwargs), nleaves, dims,
-                                                 guards_before)
+                                                 guards_before, memory.guards(ctx.graph, ctx.memory))
             symbolic.seal(env)              # a guard recorded after this would not be checked: make it an error
         fetch = [self._fetcher(v, constants) for v in ctx.graph.inputs]
         seconds = time.perf_counter() - t0
@@ -318,6 +320,7 @@ class CompiledStep:
                  f", dynamic sizes ({signature.describe()})" if signature is not None and signature.dynamic else "")
         prog = Program(ctx.graph, source, fn, fetch, seconds, ctx.timings, ctx.regions, signature)
         prog.tuning = self.tuner.since(mark)
+        prog.memory = ctx.memory
         return prog
 
     def _fetcher(self, v, constants) -> Callable[[list, float], Any]:
@@ -390,24 +393,48 @@ class CompiledStep:
         the latest batch on copies of the parameters, buffers and optimizer state: the model, the
         optimizer state and the random-number generator are left exactly as they were."""
         prog = self._program()
-        leaves = getattr(self, "_last_leaves", None)
-        if leaves is None:
-            raise KilnError("nothing to profile: call the step once with a batch first")
         n = len(prog.graph.nodes)
         times = [0.0] * n
         _, fn = generate(prog.graph, name="kiln_profiled_step", times=times)
+        runs = []
+        for r in range(repeats + 1):
+            times[:] = [0.0] * n
+            self._replay(prog, fn)
+            if r:                              # the first run is a warm-up (allocator, caches)
+                runs.append(list(times))
+        return [sorted(col)[len(col) // 2] for col in zip(*runs)]
+
+    def memory(self, measure: bool = False) -> memory.MemoryReport:
+        """The latest program's predicted peak memory: where it is, what is live there, what the memory
+        budget made Kiln recompute (and the FLOPs that costs). `measure=True` also replays the latest batch
+        (like `profile`, nothing the user sees changes) and reads the allocator after every node."""
+        prog = self._program()
+        measured = None
+        if measure:
+            if memory.allocated() is None:
+                raise KilnError("step.memory(measure=True) reads glibc's allocator (mallinfo2), which this "
+                                "platform does not have; the prediction is step.memory()")
+            counts = [0] * len(prog.graph.nodes)
+            _, fn = generate(prog.graph, name="kiln_measured_step", memory=(counts, memory.allocated))
+            self._replay(prog, fn)                       # warm-up: allocator and kernel caches
+            base = self._replay(prog, fn, before=memory.allocated)
+            measured = [c - base for c in counts]
+        return memory.report(prog, prog.memory, measured)
+
+    def _replay(self, prog: Program, fn, before=None):
+        """Run `fn` (a regenerated `prog`) on the latest batch, with copies of what the step updates, under the
+        user's random state restored afterwards. Returns `before()` taken just before the call, if given."""
+        leaves = getattr(self, "_last_leaves", None)
+        if leaves is None:
+            raise KilnError("nothing to replay: call the step once with a batch first")
         owned = (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.STATE)
         inputs = [f(leaves, self.optimizer.lr) for f in prog.fetch]
         inputs = [x.detach().clone() if v.role in owned and isinstance(x, torch.Tensor) else x
                   for v, x in zip(prog.graph.inputs, inputs)]
-        runs = []
         with _rng_untouched(), torch.no_grad():
-            for r in range(repeats + 1):
-                times[:] = [0.0] * n
-                fn(*inputs)
-                if r:                          # the first run is a warm-up (allocator, caches)
-                    runs.append(list(times))
-        return [sorted(col)[len(col) // 2] for col in zip(*runs)]
+            mark = before() if before is not None else None
+            fn(*inputs)
+        return mark
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -1,0 +1,245 @@
+"""Rematerialization under a memory budget: activations the backward reads are recomputed there instead of
+being kept from the forward, cheapest first, until the step's predicted peak fits the budget.
+
+Kiln sees the whole step, so for every forward node whose outputs the backward reads it can choose: keep
+them (they live from the forward to their last backward use, the usual cause of the peak at the start of
+the backward), or recompute them right before the backward's first use (they live only in the forward,
+and again from that use to the last). Recomputing a node needs its inputs then: a parameter, a value
+the backward reads anyway, or a value itself recomputed (chains share the work: each recomputed node is
+emitted once, before its first use); any other input is kept longer, which the memory model counts.
+
+`plan()` simulates the memory model (kiln/passes/memory.py) with each decision: candidates are tried in
+order of cost per byte freed, ops of the cheapest kinds first (elementwise, views, then norms and
+reductions, attention, matmuls last), each kept only if it lowers the predicted peak, until the peak fits;
+then decisions that are no longer needed are dropped, costliest first. Random ops (dropout) are never
+recomputed: their outputs are kept (so recomputing what follows them reuses the same random numbers), as
+are ops with side effects, opaque fallbacks and anything the optimizer reads. `apply()` rewrites the
+graph: the copies are ordinary backward nodes (their module path kept), so the generated code shows each
+recomputation where it runs, and the later passes fuse recomputed elementwise ops into backward regions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.errors import KilnError
+from kiln.ir.graph import Graph, Node, Phase, Value, tree_map_values
+from kiln.ops.registry import Kind
+from kiln.passes import memory
+
+# cheapest kinds first: what RAF and checkpointing folklore recompute before matmuls
+_RANK = {Kind.VIEW: 0, Kind.POINTWISE: 0, Kind.CREATION: 0, Kind.NORM: 1, Kind.REDUCTION: 1, Kind.INDEX: 1,
+         Kind.LOSS: 2, Kind.ATTENTION: 3, Kind.MATMUL: 4}
+
+
+@dataclass(eq=False)
+class Recompute:
+    """One decision: `node` (with the views of its outputs the backward reads) recomputed in the backward."""
+
+    node: Node
+    views: list[Node]
+    nbytes: int                     # bytes of its outputs the backward read
+    flops: float
+
+    def __str__(self) -> str:
+        where = f" in {self.node.scope}" if self.node.scope else ""
+        return f"{self.node.op.name}{where}: {self.nbytes / 2**20:.1f} MiB recomputed for {self.flops / 1e6:.1f} MFLOP"
+
+
+@dataclass
+class Plan:
+    """What the pass decided, for `step.memory()` and `explain`."""
+
+    budget: int | None
+    before: int                     # predicted peak without rematerialization (bytes)
+    after: int                      # predicted peak with it
+    floor: int                      # the smallest peak rematerialization reaches here
+    persistent: int                 # parameters, buffers, optimizer state, the batch
+    chosen: list[Recompute] = field(default_factory=list)
+
+    @property
+    def extra_flops(self) -> float:
+        return sum(r.flops for r in self.chosen)
+
+
+def candidates(graph: Graph) -> list[Recompute]:
+    """Forward nodes the backward could recompute, in the order they are tried."""
+    users = graph.users()
+    live = graph.live_outputs()
+    out = []
+    for n in graph.nodes:
+        if n.phase is not Phase.FORWARD or n.op.kind not in _RANK or n.op.kind is Kind.VIEW:
+            continue
+        if n.op.side_effects or not n.outputs or any(o.meta is None for o in n.outputs):
+            continue
+        views, read, ok = [], [], True
+        stack = list(n.outputs)
+        while stack:                          # the outputs and the views of them: who reads them where
+            v = stack.pop()
+            if v in live:
+                ok = False
+                break
+            for u in users.get(v, ()):
+                if u.phase is Phase.OPTIMIZER:
+                    ok = False
+                elif u.phase is Phase.BACKWARD:
+                    read.append(v)
+                elif memory.aliases(u):
+                    views.append(u)
+                    stack.extend(u.outputs)
+        if not ok or not read:
+            continue
+        nbytes = sum(memory.hint(o.meta.nbytes) for o in n.outputs)
+        out.append(Recompute(n, _needed(views, read), nbytes, float(n.op.cost(n))))
+    out.sort(key=lambda r: (_RANK[r.node.op.kind], r.flops / max(r.nbytes, 1)))
+    return out
+
+
+def _needed(views: list[Node], read: list[Value]) -> list[Node]:
+    """The views on a path to a value the backward reads (in forward order)."""
+    need, wanted = [], set(read)
+    for v in reversed(views):
+        if any(o in wanted for o in v.outputs):
+            need.append(v)
+            wanted.update(v.inputs)
+    return need[::-1]
+
+
+class _Model:
+    """The memory model's lifetimes, re-simulated for a set of decisions without rewriting the graph."""
+
+    def __init__(self, graph: Graph):
+        self.n = len(graph.nodes)
+        self.pos = {x.uid: i for i, x in enumerate(graph.nodes)}
+        self.prof = memory.profile(graph)
+        self.bufs = [b for b in self.prof.buffers if not b.persistent]
+        self.owner = {v: b for b in self.prof.buffers for v in b.values}
+        users = graph.users()
+        self.fwd_last: dict[int, int] = {}
+        self.bwd: dict[int, list[int]] = {}
+        for b in self.bufs:
+            reads = [(self.pos[u.uid], u.phase) for v in b.values for u in users.get(v, ())]
+            self.fwd_last[id(b)] = max([i for i, ph in reads if ph is Phase.FORWARD] + [b.born])
+            self.bwd[id(b)] = sorted(i for i, ph in reads if ph is Phase.BACKWARD)
+
+    def peak(self, chosen: list[Recompute]) -> int:
+        dies = {id(b): b.dies for b in self.bufs}
+        extra: list[tuple[int, int, int]] = []              # (born, dies, bytes) of recomputed copies
+        point: dict[int, int] = {}                          # node uid -> where its copy is made
+        mine = {id(self.owner[o]): r for r in chosen for o in r.node.outputs}
+        for r in sorted(chosen, key=lambda r: -self.pos[r.node.uid]):     # consumers first
+            bufs = [self.owner[o] for o in r.node.outputs]
+            first = min(i for b in bufs for i in self.bwd[id(b)]) if any(self.bwd[id(b)] for b in bufs) else self.n
+            later = [point[q.node.uid] for q in chosen if q.node.uid in point and
+                     any(self.owner.get(v) in bufs for x in [q.node] + q.views for v in x.inputs)]
+            at = min([first] + later)
+            point[r.node.uid] = at
+            for b in bufs:
+                dies[id(b)] = self.fwd_last[id(b)]
+                last = max(self.bwd[id(b)] + later + [at])
+                extra.append((at, last, b.nbytes))
+        for r in chosen:                                    # inputs must live until the copy is made
+            for x in [r.node] + r.views:
+                for v in x.inputs:
+                    b = self.owner.get(v)
+                    if b is not None and not b.persistent and id(b) not in mine:
+                        dies[id(b)] = max(dies[id(b)], point[r.node.uid])
+        delta = [0] * (self.n + 2)
+        for b in self.bufs:
+            delta[b.born] += b.nbytes
+            delta[min(dies[id(b)], self.n) + 1] -= b.nbytes
+        for born, last, nbytes in extra:
+            delta[born] += nbytes
+            delta[min(last, self.n) + 1] -= nbytes
+        cur = best = 0
+        for i in range(self.n):
+            cur += delta[i]
+            best = max(best, cur)
+        return self.prof.persistent + best
+
+
+def plan(graph: Graph, budget: int | float | None) -> Plan:
+    """Which forward nodes to recompute so that the predicted peak fits `budget`: bytes (an int), a fraction
+    of the peak without rematerialization (a float), or None (no budget: nothing recomputed)."""
+    model = _Model(graph)
+    before = model.prof.peak
+    if isinstance(budget, float):
+        budget = int(budget * before)
+    result = Plan(budget, before, before, before, model.prof.persistent)
+    result.budget = budget
+    if budget is None or before <= budget:
+        return result
+    chosen: list[Recompute] = []
+    peak = before
+    for c in candidates(graph):                 # greedy: each decision kept only if the peak drops
+        trial = model.peak(chosen + [c])
+        if trial < peak:
+            chosen.append(c)
+            peak = trial
+            if peak <= budget:
+                break
+    result.floor = peak
+    if peak <= budget:                          # drop what the budget no longer needs, costliest first
+        for c in sorted(chosen, key=lambda r: -r.flops):
+            rest = [r for r in chosen if r is not c]
+            trial = model.peak(rest)
+            if trial <= budget:
+                chosen, peak = rest, trial
+    result.chosen, result.after = chosen, peak
+    return result
+
+
+def apply(graph: Graph, chosen: list[Recompute]) -> int:
+    """Rewrite the graph: each chosen node (and the views the backward reads) is copied into the backward
+    right before its first use there, and backward reads take the copy. Returns the nodes added."""
+    todo = {x.uid: x for r in chosen for x in [r.node] + r.views}
+    copies: dict[Value, Value] = {}
+    out: list[Node] = []
+
+    def recomputed(v: Value) -> bool:
+        """Whether v comes from a recomputed node, directly or through views (a view of a recomputed value
+        is recomputed too: reading the forward's would keep its storage alive)."""
+        p = v.producer
+        while p is not None and p.uid not in todo and memory.aliases(p):
+            p = next(i for i in p.inputs if i.meta is not None).producer
+        return p is not None and p.uid in todo
+
+    def emit(x: Node) -> None:
+        for v in x.inputs:                      # its recomputed inputs first (chains share the work)
+            if v not in copies and recomputed(v):
+                emit(v.producer)
+        args, kwargs = tree_map_values(lambda v: copies.get(v, v), (x.args, x.kwargs))
+        outs = [Value(graph.fresh_name(f"{o.name}_re"), o.meta) for o in x.outputs]
+        copy = Node(x.op, x.target, args, kwargs, outs, Phase.BACKWARD, x.scope, fused=x.fused)
+        for o, c in zip(x.outputs, outs):
+            c.producer = copy
+            copies[o] = c
+        out.append(copy)
+
+    added = 0
+    for n in graph.nodes:
+        if n.phase is Phase.BACKWARD:
+            for v in n.inputs:
+                if v not in copies and recomputed(v):
+                    before = len(out)
+                    emit(v.producer)
+                    added += len(out) - before
+            n.args, n.kwargs = tree_map_values(lambda v: copies.get(v, v), (n.args, n.kwargs))
+        out.append(n)
+    graph.nodes = out
+    return added
+
+
+def rematerialize(graph: Graph, budget: int | float | None) -> Plan:
+    """`plan` and `apply`; a budget the plan cannot meet raises, naming the smallest peak reachable."""
+    result = plan(graph, budget)
+    budget = result.budget
+    if budget is not None and result.after > budget:
+        mib = 2 ** 20
+        raise KilnError(
+            f"memory_budget of {budget / mib:.0f} MiB cannot be met: the smallest predicted peak Kiln reaches for "
+            f"this batch is {result.floor / mib:.0f} MiB ({result.persistent / mib:.0f} MiB of it parameters, optimizer "
+            f"state, buffers and the batch; {result.before / mib:.0f} MiB without rematerialization). Give a budget "
+            "of at least that, a smaller batch, or amp='bf16'")
+    if result.chosen:
+        apply(graph, result.chosen)
+    return result

@@ -1,0 +1,163 @@
+"""`step.memory()`: the step's predicted peak memory, where it is, what is live there, what the memory
+budget made Kiln recompute, and (`measure=True`) the allocator's own count on a replay of the latest batch.
+
+The prediction is kiln/passes/memory.py's model of the program as generated (after fusion and region
+placement). The measurement replays the latest batch like `profile()` (on copies of the parameters and
+optimizer state, the random state restored) with the bytes glibc's allocator holds read after every node
+(`mallinfo2`: in-use heap chunks plus mmapped ones), so both count the same thing: tensors the step
+allocates, persistent ones (parameters, state, the batch) counted apart.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import re
+from dataclasses import dataclass, field
+
+from kiln.errors import KilnError
+from kiln.ir.symbolic import hint
+from kiln.passes import memory as model
+
+MIB = 2 ** 20
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_budget(value) -> int | float | None:
+    """`kiln.compile(memory_budget=...)`: bytes (an int, or a string such as "6GiB", "512 MiB", "1.5GB"), a
+    fraction of the peak without rematerialization (a float in (0, 1]), or None (no budget)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise KilnError(f"memory_budget must be bytes (an int or a string like '6GiB'), a fraction of the "
+                        f"unconstrained peak (a float in (0, 1]), or None; got {type(value).__name__}")
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise KilnError(f"memory_budget={value!r}: give a size such as '6GiB', '512MiB' or '1.5GB' "
+                            f"(units: {', '.join(u for u in _UNITS if u)})")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if value <= 0:
+            raise KilnError("memory_budget must be positive")
+        return value
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise KilnError(f"memory_budget={value}: a float is a fraction of the unconstrained peak, in (0, 1]; "
+                            "give bytes as an int or a string like '6GiB'")
+        return value
+    if value <= 0:
+        raise KilnError(f"memory_budget must be positive, got {value}")
+    return int(value)
+
+
+@dataclass
+class Live:
+    """One buffer live at the peak."""
+
+    name: str
+    op: str
+    module: str
+    nbytes: int
+    kept_for_backward: bool
+
+
+@dataclass
+class MemoryReport:
+    """What `step.memory()` returns; `str()` is the readable report (`kiln explain --memory`)."""
+
+    predicted_peak: int             # bytes: persistent + the largest transient total
+    persistent: int                 # parameters, buffers, optimizer state, the batch
+    at: str                         # the node where the peak is (op, phase, module)
+    live: list[Live]                # the biggest transient buffers live there
+    saved: int                      # activations the backward reads, live when the forward ends
+    budget: int | None = None
+    unconstrained: int | None = None     # the predicted peak without rematerialization (a budget was given)
+    recomputed: list[str] = field(default_factory=list)
+    extra_flops: float = 0.0
+    measured_peak: int | None = None     # persistent + the allocator's largest transient total on a replay
+    measured_at: str | None = None
+    note: str = ""
+
+    def __str__(self) -> str:
+        lines = [f"predicted peak: {self.predicted_peak / MIB:.1f} MiB at {self.at} "
+                 f"({self.persistent / MIB:.1f} MiB persistent: parameters, buffers, optimizer state, the batch; "
+                 f"{self.saved / MIB:.1f} MiB of activations kept for the backward)"]
+        if self.measured_peak is not None:
+            err = (self.predicted_peak - self.measured_peak) / max(self.measured_peak, 1)
+            lines.append(f"measured peak:  {self.measured_peak / MIB:.1f} MiB at {self.measured_at} (prediction "
+                         f"{err:+.1%})")
+        if self.budget is not None:
+            lines.append(f"budget: {self.budget / MIB:.1f} MiB; without rematerialization the peak would be "
+                         f"{(self.unconstrained or 0) / MIB:.1f} MiB; {len(self.recomputed)} op(s) recomputed in the "
+                         f"backward for {self.extra_flops / 1e9:.2f} GFLOP more per step")
+            lines += [f"  recomputed: {r}" for r in self.recomputed]
+        lines.append("live at the peak (biggest first):")
+        lines += [f"  {b.nbytes / MIB:8.1f} MiB  {b.name} ({b.op}{' in ' + b.module if b.module else ''})"
+                  f"{', kept for the backward' if b.kept_for_backward else ''}" for b in self.live]
+        if self.note:
+            lines.append(self.note)
+        return "\n".join(lines)
+
+
+def _where(graph, i: int) -> str:
+    n = graph.nodes[i]
+    return f"node {i} {n.op.name} ({n.phase.value}{', ' + n.scope if n.scope else ''})"
+
+
+def report(prog, plan=None, measured: list[int] | None = None, top: int = 8) -> MemoryReport:
+    """The report of compiled program `prog` (its remat `plan`, a measured per-node profile)."""
+    g = prog.graph
+    prof = model.profile(g)
+    live = [Live(b.owner.name, b.owner.producer.op.name if b.owner.producer else "input",
+                 b.owner.producer.scope if b.owner.producer else "", b.nbytes, b.saved)
+            for b in prof.live_at(prof.at)[:top]]
+    rep = MemoryReport(prof.peak, prof.persistent, _where(g, prof.at) if g.nodes else "-", live, prof.saved_bytes)
+    if plan is not None:
+        rep.budget, rep.unconstrained = plan.budget, plan.before
+        rep.recomputed = [str(r) for r in plan.chosen]
+        rep.extra_flops = plan.extra_flops
+    if measured is not None:
+        i = max(range(len(measured)), key=measured.__getitem__)
+        rep.measured_peak, rep.measured_at = prof.persistent + measured[i], _where(g, i)
+    return rep
+
+
+@functools.cache
+def _mallinfo2():
+    """glibc's `mallinfo2`, or None where there is none (other C libraries, glibc < 2.33)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        fn = libc.mallinfo2
+    except (OSError, AttributeError, TypeError):
+        return None
+
+    class Info(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+    fn.restype = Info
+    return fn
+
+
+def allocated() -> int | None:
+    """Bytes the C allocator holds for the process now (None where it cannot tell)."""
+    fn = _mallinfo2()
+    if fn is None:
+        return None
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
+
+
+def guards(graph, plan) -> list:
+    """Under a memory budget, a dynamic program's extra guard: the transient bytes at its predicted peak, an
+    expression of the batch's sizes, within the budget (a bigger batch compiles a program of its own, which
+    recomputes more)."""
+    if plan is None or plan.budget is None:
+        return []
+    import sympy
+    expr = model.peak_expr(graph)
+    if isinstance(expr, int):
+        return []
+    return [(sympy.Le(expr + plan.persistent, plan.budget),
+             f"memory: the predicted peak of a batch of these sizes within the budget of {plan.budget / MIB:.0f} MiB")]
