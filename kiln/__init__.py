@@ -12,11 +12,12 @@ import torch
 
 from kiln import optim
 from kiln.dialects.registry import dialects
+from kiln.distributed import DataParallel
 from kiln.errors import CaptureError, InputError, KilnError, StepError, UnsupportedError
 from kiln.guards import NonFiniteError
 from kiln.runtime.step import CompiledStep
 
-__all__ = ["compile", "explain", "dialects", "optim", "adopt", "CompiledStep", "KilnError", "CaptureError",
+__all__ = ["compile", "explain", "dialects", "optim", "adopt", "DataParallel", "CompiledStep", "KilnError", "CaptureError",
            "UnsupportedError", "InputError", "StepError", "NonFiniteError"]
 __version__ = "0.1.0"
 
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Callable | None = None,
             dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
             max_programs: int = 8, verify: bool = False, tuning: str | None = None,
-            nonfinite: str = "raise") -> CompiledStep:
+            nonfinite: str = "raise", parallel: DataParallel | None = None) -> CompiledStep:
     """Compile `model`'s training step.
 
     Args:
@@ -52,6 +53,9 @@ def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Call
             skips such steps itself). "raise" (default): a `NonFiniteError` naming the loss or the first
             parameter, with parameters and optimizer state unchanged; "skip": the step is skipped with a
             warning and counted in `step.skipped_steps`; "ignore": no check (the update applies NaNs).
+        parallel: `kiln.DataParallel(zero=0|1|2, bucket_mb=25)` to train on several processes (after
+            `torch.distributed.init_process_group`): gradients averaged over the ranks by collectives inside
+            the step, overlapping the backward; ZeRO-1/2 shard the optimizer state (and the gradients).
 
     Every step is all or nothing: the update (parameters, optimizer state, step counters, loss scale,
     buffers) is committed at once at the end, so an exception or a signal leaves all of it as it was
@@ -62,7 +66,7 @@ def compile(model: torch.nn.Module, *, optimizer: optim.Optimizer, loss_fn: Call
     """
     return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
                         verify=verify, amp=amp, amp_overrides=amp_overrides, tuning=tuning,
-                        nonfinite=nonfinite)
+                        nonfinite=nonfinite, parallel=parallel)
 
 
 def explain(step: CompiledStep, file=None, profile: bool = False) -> str:

@@ -25,6 +25,7 @@ from kiln.passes.pipeline import AFTER_TUNING, AMP_STATE, Context, run_pipeline
 from kiln.runtime import checkpoint
 from kiln.runtime.codegen import generate
 from kiln.runtime.failures import describe_failure
+from kiln.runtime.parallel import Parallel
 from kiln.transaction import step_transaction
 
 log = logging.getLogger("kiln")
@@ -88,7 +89,7 @@ class CompiledStep:
     def __init__(self, model: torch.nn.Module, optimizer: Optimizer, loss_fn: Callable | None = None,
                  dialects=None, max_programs: int = 8, verify: bool = False, amp: str | None = None,
                  amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16, tuning: str | None = None,
-                 nonfinite: str = "raise"):
+                 nonfinite: str = "raise", parallel=None):
         if not isinstance(model, torch.nn.Module):
             raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -124,7 +125,10 @@ class CompiledStep:
                 log.warning("kiln: amp=%r on a CPU without native %s matrix multiply (torch CPU capability %s) "
                             "and the upcast dialect disabled: ATen emulates it, much slower than fp32",
                             amp, low, torch.backends.cpu.get_cpu_capability())
-        self.state: dict[str, dict[str, torch.Tensor]] = {n: optimizer.init_state(p) for n, p in self.params.items()}
+        # ---- data parallel: with ZeRO each rank keeps only its shards, made when the first program fixes them
+        sharded = parallel is not None and getattr(parallel, "zero", 0) > 0
+        self.state: dict[str, dict[str, torch.Tensor]] = {} if sharded else {
+            n: optimizer.init_state(p) for n, p in self.params.items()}
         if self.amp is not None and self.amp.dtype == torch.float16:
             self.state[AMP_STATE] = {"scale": torch.tensor(float(init_loss_scale)),
                                      "growth_tracker": torch.zeros((), dtype=torch.int32)}
@@ -132,6 +136,8 @@ class CompiledStep:
         self.last: Program | None = None
         self._lock = threading.RLock()        # calls (and compiles) on one step run one at a time
         self._tensors = self._module_tensors()
+        self.parallel = Parallel(parallel, self) if parallel is not None else None   # checks the ranks agree
+        # ---- end data parallel
 
     # ---- running ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -256,11 +262,13 @@ class CompiledStep:
         with _rng_untouched():              # capture, measurement and trials draw nothing from the user's stream:
             graph, constants = capture(self.model, self.loss_fn, args, kwargs)     # the step's dropout masks
             ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,  # are eager's
-                                       nonfinite=self.nonfinite))
+                                       nonfinite=self.nonfinite, parallel=self.parallel))
             t1 = time.perf_counter()        # the passes asked; the tuner compiles, measures, prepares workers
             self.tuner.realize(ctx)
             ctx.timings.append(("tuning", time.perf_counter() - t1, len(ctx.graph.nodes)))
             run_pipeline(ctx, AFTER_TUNING)
+            if self.parallel is not None:   # data parallel: the ranks compiled alike; ZeRO state shards exist
+                self.parallel.compiled(self, ctx)
         source, fn = generate(ctx.graph)
         fetch = [self._fetcher(v, constants) for v in ctx.graph.inputs]
         seconds = time.perf_counter() - t0
@@ -349,12 +357,20 @@ class CompiledStep:
         return [sorted(col)[len(col) // 2] for col in zip(*runs)]
 
     # ---- checkpointing ---------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Optimizer state (per parameter name) and hyper-parameters; tensors are copies."""
+    def state_dict(self, sharded: bool = False) -> dict | None:
+        """Optimizer state (per parameter name) and hyper-parameters; tensors are copies. Data parallel: the
+        whole state on rank 0 and None on the other ranks (with ZeRO every rank must call it: the shards
+        are gathered); `sharded=True`: this rank's part, see kiln/runtime/parallel.py."""
+        if self.parallel is not None:
+            with self._lock:
+                return self.parallel.state_dict(self, sharded)
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, sd: dict) -> None:
         """Load what `state_dict()` returned. Every key, slot, tensor shape/dtype/device and hyper-parameter
-        is checked first; anything wrong refuses the whole checkpoint with a KilnError (nothing applied)."""
+        is checked first; anything wrong refuses the whole checkpoint with a KilnError (nothing applied).
+        Data parallel: a whole state loads on any number of ranks (each cuts its shards)."""
         with self._lock:
+            if self.parallel is not None:
+                return self.parallel.load_state_dict(self, sd)
             checkpoint.load_state_dict(self, sd)
