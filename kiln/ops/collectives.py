@@ -42,8 +42,8 @@ STEP_BEGIN = _op(step_begin, "a data-parallel step starts: counts the attempt, r
 def loss_start(comm, after, loss):
     """All-reduce of [loss, attempt, attempt^2] in float64, started right after the forward."""
     a = float(comm.attempts)
-    buf = torch.stack([loss.detach().reshape(()).to(torch.float64),
-                       torch.tensor(a, dtype=torch.float64), torch.tensor(a * a, dtype=torch.float64)])
+    buf = torch.tensor([0.0, a, a * a], dtype=torch.float64, device=loss.device)
+    buf[0] = loss.detach().reshape(())
     return (comm.issue("the loss all-reduce", "all_reduce", buf, buf, info=loss.dtype),)
 
 
@@ -140,8 +140,6 @@ def sum_over_ranks(comm, after, x):
 def grad_norm(comm, after, grads):
     """The 2-norm of all gradients (for clipping); `comm` given: the gradients are shards, the sum of
     squares is all-reduced. One Kiln op, so every rank computes it with the same kernel."""
-    if not grads:
-        return (torch.zeros((), dtype=torch.float32),)
     norms = torch.stack(torch._foreach_norm(grads)).float()
     if comm is None:
         return (torch.linalg.vector_norm(norms),)
@@ -155,14 +153,13 @@ def check_finite_ranks(comm, after, loss, grads, names, mode):
     a second all-reduce counts the ranks with a truly non-finite value (a huge finite gradient only
     overflows the norm)."""
     from kiln.guards import NonFiniteError, SkippedStep
-    local = torch.stack(torch._foreach_norm(grads)).float().sum() if grads else torch.zeros(())
-    total = comm.issue("the all-reduce of the non-finite guard", "all_reduce", local.reshape(1).clone(),
-                       local.reshape(1).clone())
-    total = total.wait()
+    local = (torch.stack(torch._foreach_norm(grads)).float().sum() if grads else torch.zeros((), device=loss.device))
+    buf = local.reshape(1).clone()
+    total = comm.issue("the all-reduce of the non-finite guard", "all_reduce", buf, buf).wait()
     if bool(torch.isfinite(loss)) and bool(torch.isfinite(total).all()):
         return (total,)
     first = next((nm for nm, g in zip(names, grads) if not bool(torch.isfinite(g).all())), None)
-    bad = torch.tensor([0.0 if first is None else 1.0])
+    bad = torch.tensor([0.0 if first is None else 1.0], device=loss.device)
     if bool(torch.isfinite(loss)):       # the loss is the mean over ranks: every rank knows it alike
         bad = comm.issue("the all-reduce of the non-finite guard", "all_reduce", bad, bad).wait()
         if bad.item() == 0:

@@ -193,19 +193,37 @@ def _check_layout(layout: tuple[Bucket, ...], ups: list) -> None:
                         "freeze parameters that are not always used (requires_grad=False) before kiln.compile")
 
 
-def schedule(graph: Graph) -> list[dict]:
-    """For `explain`: each collective (start and wait), its bucket, and the ops it overlaps with."""
-    pos = {n.uid: i for i, n in enumerate(graph.nodes)}
-    out = []
-    for i, n in enumerate(graph.nodes):
-        if n.op not in C.STARTS:
-            continue
-        waits = [j for j, m in enumerate(graph.nodes) if m.op in C.WAITS and m.args and m.args[0] is n.outputs[0]]
-        j = waits[0] if waits else i
-        bucket = n.args[1] if n.op is not C.LOSS_START else None
-        kind = {C.LOSS_START: "all-reduce loss", C.GATHER_START: "all-gather params"}.get(
-            n.op, "all-reduce grads" if not n.args[2] else "reduce-scatter grads")
-        out.append({"start": i, "wait": j, "kind": kind, "bucket": bucket,
-                    "overlaps": [m for m in graph.nodes[i + 1:j] if m.op.kind.value != "collective"],
-                    "after": graph.nodes[i - 1] if i else None, "pos": pos[n.uid]})
-    return out
+def summary(graph: Graph, seconds: list[float] | None = None) -> list[str]:
+    """For `explain`: each collective in the order it is issued, its bucket, where it is waited for and
+    the ops it overlaps with (those between its start and its wait; measured time with `profile=True`)."""
+    starts = [(i, n) for i, n in enumerate(graph.nodes) if n.op in C.STARTS]
+    if not starts:
+        return []
+    wait_at = {id(n.args[0]): j for j, n in enumerate(graph.nodes) if n.op in C.WAITS}
+    comm = starts[0][1].args[0]
+    buckets = [n.args[1] for _, n in starts if n.op is C.REDUCE_START]
+    zero = starts[1][1].args[2] if len(starts) > 1 and starts[1][1].op is C.REDUCE_START else 0
+    lines = [f"collectives: data parallel over {comm.world} ranks, zero={zero}, {len(buckets)} gradient bucket(s) of "
+             f"{sum(b.nbytes for b in buckets) / 2 ** 20:.2f} MiB in all; each starts after the op before it and "
+             "overlaps the ops up to its wait:"]
+    for i, n in starts:
+        j = wait_at.get(id(n.outputs[0]), i)
+        between = [m for m in graph.nodes[i + 1:j] if m.op.kind.value != "collective"]
+        if n.op is C.LOSS_START:
+            what = "all-reduce of the loss (and the lockstep count)"
+        else:
+            b = n.args[1]
+            kind = "all-gather of parameters" if n.op is C.GATHER_START else (
+                "reduce-scatter of gradients" if n.args[2] else "all-reduce of gradients")
+            what = f"{kind}, {b.label()}, {b.nbytes / 2 ** 20:.2f} MiB"
+        scopes = [m.scope.split(":")[0] for m in between if m.scope and not m.scope.startswith(SCOPE)]
+        where = f" ({scopes[0]} .. {scopes[-1]})" if scopes else ""
+        ms = (f", {sum(seconds[k] for k in range(i + 1, j) if graph.nodes[k] in between) * 1000:.1f} ms measured"
+              if seconds is not None else "")
+        lines.append(f"  #{i} {what}: waited at #{j}; overlaps {len(between)} ops{ms}{where}")
+    last = comm.last
+    if last:
+        lines.append(f"  latest step: collectives running {last['comm_s'] * 1000:.1f} ms, of which the step waited "
+                     f"{last['blocked_s'] * 1000:.1f} ms (the rest hidden behind compute); gradient buffers held at "
+                     f"most {last['peak_grad_bytes'] / 2 ** 20:.2f} MiB")
+    return lines
