@@ -104,10 +104,7 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.timeout = datetime.timedelta(seconds=timeout)
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        # a group of its own for Kiln's checks (created by every process, as new_group requires)
-        self.checks = dist.new_group(ranks=ranks, backend="gloo",
-                                     timeout=datetime.timedelta(seconds=check_timeout))
+        self.checks = _checks_group(group, check_timeout)
         self.check_timeout = check_timeout
         self.gloo = dist.get_backend(group) == "gloo"
         self.in_flight: dict[int, Pending] = {}
@@ -223,6 +220,19 @@ class Comm:
                 w.wait(self.timeout)
             except Exception as e:  # noqa: BLE001
                 self.fail(what, e)
+
+
+_CHECKS: dict = {}      # (process group, timeout) -> Kiln's gloo group for its checks over those ranks
+
+
+def _checks_group(group, timeout: float):
+    """A gloo group of Kiln's own over the ranks of `group`, for its checks (one per group and timeout: every
+    process creates it, in the same order, as new_group requires)."""
+    key = (group if group is not None else dist.group.WORLD, timeout)
+    if key not in _CHECKS:
+        ranks = dist.get_process_group_ranks(key[0])
+        _CHECKS[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    return _CHECKS[key]
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
