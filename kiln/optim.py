@@ -142,18 +142,16 @@ SGD_OP = register(OpDef("kiln.sgd_update", (sgd_update,), None, Kind.OPTIMIZER, 
                         doc="in-place SGD (momentum, nesterov, weight decay) step of one parameter"))
 
 
-def _same_as_param(args, kwargs):
-    return [args[0].meta]
+def _out_of_place(fn, per_element: float, what: str) -> OpDef:
+    """An update op of a ZeRO shard: returns the new values (same meta as the parameter), stages the state."""
+    return register(OpDef(f"kiln.{fn.__name__}", (fn,), None, Kind.OPTIMIZER, Cast.FP32, differentiable=False,
+                          side_effects=True, infer=lambda args, kwargs: [args[0].meta],
+                          cost=lambda n: per_element * n.args[0].meta.numel,
+                          doc=f"{what} step of a ZeRO shard, out of place: returns the new values, stages the state"))
 
 
-ADAMW_OUT = register(OpDef("kiln.adamw_update_out", (adamw_update_out,), None, Kind.OPTIMIZER, Cast.FP32,
-                           differentiable=False, side_effects=True, infer=_same_as_param,
-                           cost=lambda n: 10.0 * n.args[0].meta.numel,
-                           doc="AdamW step of a ZeRO shard, out of place: returns the new values, stages the state"))
-SGD_OUT = register(OpDef("kiln.sgd_update_out", (sgd_update_out,), None, Kind.OPTIMIZER, Cast.FP32,
-                         differentiable=False, side_effects=True, infer=_same_as_param,
-                         cost=lambda n: 4.0 * n.args[0].meta.numel,
-                         doc="SGD step of a ZeRO shard, out of place: returns the new values, stages the state"))
+ADAMW_OUT = _out_of_place(adamw_update_out, 10.0, "AdamW")
+SGD_OUT = _out_of_place(sgd_update_out, 4.0, "SGD")
 
 
 LOSS_SCALE = register(OpDef("kiln.loss_scale_update", (loss_scale_update,), None, Kind.OPTIMIZER, Cast.FP32,

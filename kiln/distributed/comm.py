@@ -116,6 +116,7 @@ class Comm:
         self.grad_bytes = 0
         self.peak_grad_bytes = 0
         self.last: dict[str, float] = {}
+        self._count = threading.Lock()
 
     # ---- the step's collectives -----------------------------------------------------------
     def begin(self) -> int:
@@ -159,9 +160,11 @@ class Comm:
         return p
 
     def held(self, nbytes: int) -> None:
-        """Gradient bytes the collectives hold (flat buckets, reduced shards): measured for `explain`/bench."""
-        self.grad_bytes += nbytes
-        self.peak_grad_bytes = max(self.peak_grad_bytes, self.grad_bytes)
+        """Gradient bytes the collectives hold (flat buckets, reduced shards): measured for `explain`/bench.
+        Called by the step and by the process group's thread (ZeRO-2 frees on completion)."""
+        with self._count:
+            self.grad_bytes += nbytes
+            self.peak_grad_bytes = max(self.peak_grad_bytes, self.grad_bytes)
 
     def fail(self, what: str, error: BaseException):
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

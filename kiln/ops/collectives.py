@@ -152,7 +152,7 @@ def check_finite_ranks(comm, after, loss, grads, names, mode):
     shards' norms) is summed over the ranks, so every rank decides alike; when the total is not finite,
     a second all-reduce counts the ranks with a truly non-finite value (a huge finite gradient only
     overflows the norm)."""
-    from kiln.guards import NonFiniteError, SkippedStep
+    from kiln.guards import not_finite
     local = (torch.stack(torch._foreach_norm(grads)).float().sum() if grads else torch.zeros((), device=loss.device))
     buf = local.reshape(1).clone()
     total = comm.issue("the all-reduce of the non-finite guard", "all_reduce", buf, buf).wait()
@@ -168,11 +168,7 @@ def check_finite_ranks(comm, after, loss, grads, names, mode):
                 f"a gradient on another rank is not finite ({int(bad.item())} of {comm.world} ranks)")
     else:
         what = f"the loss averaged over the {comm.world} ranks is {loss.item()}"
-    if mode == "skip":
-        raise SkippedStep(what, loss.detach())
-    raise NonFiniteError(f"{what}; parameters and optimizer state are unchanged on every rank. Lower the learning "
-                         "rate, clip gradients (max_grad_norm=), check the batch, or pass kiln.compile(..., "
-                         "nonfinite='skip') to skip such steps")
+    not_finite(what, loss, mode, " on every rank")
 
 
 SUM_OVER_RANKS = _op(sum_over_ranks, "sums a small tensor over the ranks (fp16 overflow of sharded gradients)")

@@ -57,19 +57,22 @@ def test_parity_every_zero_and_dtype_2_ranks(tmp_path):
     _check_parity(launch.run(2, "parity", tmp_path, args=("all",), timeout=300), 2)
 
 
-def test_checkpoints_and_resume_on_1_and_4_ranks(two_ranks, tmp_path):
-    """ZeRO-1 on 2 ranks for 3 steps, then: the consolidated state (rank 0) equals the consolidated sharded
-    parts; resumed alone without parallel=, and on 4 ranks with ZeRO-1 (2 ranks' shards re-cut into 4 of
-    other buckets), 2 more steps equal 5 eager AdamW steps on the global batch. The 4-rank launch checks
-    parity with DDP / ZeroRedundancyOptimizer there too."""
+def test_checkpoints_and_resume_on_1_2_and_4_ranks(two_ranks, tmp_path):
+    """ZeRO-1 on 2 ranks for 3 steps, then: the consolidated state (rank 0 only) equals the consolidated
+    sharded parts; resumed alone without parallel=, on 2 ranks with ZeRO-2 and other buckets (loaded before
+    the first compile), and on 4 ranks into a ZeRO-1 step that already ran (2 ranks' shards re-cut into 4),
+    2 more steps equal 5 eager AdamW steps on the global batch. The 4-rank launch checks parity with DDP /
+    ZeroRedundancyOptimizer there first."""
     src, saved = two_ranks
     assert saved[0]["consolidate_equal"] and not saved[0]["early_is_none"] and not saved[0]["full_is_none"]
     assert saved[1]["early_is_none"] and saved[1]["full_is_none"]           # consolidated on rank 0 only
     assert saved[0]["resume_1_rel"] <= RESUME, saved[0]["resume_1_rel"]
+    for r in saved:
+        assert r["resume_zero2_rel"] <= RESUME and r["resume_zero2_same"], r
     four = launch.run(4, "resume", tmp_path, args=(str(src),), timeout=240)
-    for r in four:
-        assert r is not None and r["resume_zero1_rel"] <= RESUME and r["resume_zero1_same"], r
     _check_parity(four, 4)
+    for r in four:
+        assert r["resume_zero1_rel"] <= RESUME and r["resume_zero1_same"], r
 
 
 def test_failures_are_clear_errors_never_hangs(tmp_path):
@@ -77,6 +80,8 @@ def test_failures_are_clear_errors_never_hangs(tmp_path):
     r0, r1 = res
     for r in res:            # a model that differs on one rank: refused on every rank, naming the parameters
         assert "differ in their models" in r["mismatch"] and "emb.weight" in r["mismatch"], r["mismatch"]
+    # rank 1's loss is NaN at one step: every rank skips it alike (nonfinite="skip"), then trains on
+    assert r0["skipped"] == r1["skipped"] == 1 and r0["skipped_same"] and r1["skipped_same"], (r0, r1)
     # rank 1 compiles another program at step 3 (other shapes): both fail within their timeouts
     assert "did not take part within 3 s" in r0["diverge"], r0["diverge"]
     assert "could not compare the programs" in r1["diverge"], r1["diverge"]
