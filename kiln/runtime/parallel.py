@@ -78,10 +78,10 @@ class Parallel:
         self.comm.check_same("the programs they compiled", self._program_parts(ctx.graph, plan),
                              "Every rank must compile the same training step: give every rank inputs of the same "
                              "shapes and dtypes, the same model, and the same Python branches")
-        if self.layout is None:
-            self.layout = plan.layout
-            if self.zero:
-                self._make_shards(step)
+        if self.layout is None:              # the first program fixes the layout (and the ZeRO state's)
+            shards = self._make_shards(step, plan.layout) if self.zero else {}
+            step.state.update(shards)
+            self.layout, self.pending = plan.layout, None
 
     def _program_parts(self, graph, plan) -> dict:
         collectives = [(n.op.name, next((a.index for a in n.args if isinstance(a, Bucket)), None))
@@ -92,20 +92,22 @@ class Parallel:
         return {"bucket layout": [b.signature() for b in plan.layout], "collectives": collectives,
                 "optimizer updates": updates}
 
-    def _make_shards(self, step) -> None:
-        pending, self.pending = self.pending, None
+    def _make_shards(self, step, layout: tuple[Bucket, ...]) -> dict:
+        """This rank's optimizer state for `layout`: new, or cut from a checkpoint loaded before (a failure here
+        keeps that checkpoint pending, so the next compile fails the same way rather than dropping it)."""
+        pending = self.pending
         if pending is not None and "parallel" in pending:         # this rank's part of a sharded checkpoint
-            self._check_sharded(pending)
-            step.state.update({k: {s: t.clone() for s, t in v.items()} for k, v in pending["state"].items()})
-            return
-        for b in self.layout:
-            key = f"{ZERO_STATE}{b.index}"
+            self._check_sharded(pending, layout)
+            return {k: {s: t.clone() for s, t in v.items()} for k, v in pending["state"].items()}
+        out = {}
+        for b in layout:
             template = torch.empty(b.shard_size, dtype=b.dtype, device=b.device)
-            step.state[key] = step.optimizer.init_state(template)
+            out[f"{ZERO_STATE}{b.index}"] = step.optimizer.init_state(template)
             if pending is not None:
-                step.state[key].update(self._cut(b, pending["state"]))
+                out[f"{ZERO_STATE}{b.index}"].update(self._cut(b, pending["state"]))
         if pending is not None and checkpoint.AMP in pending["state"]:
-            step.state[checkpoint.AMP] = {k: t.clone() for k, t in pending["state"][checkpoint.AMP].items()}
+            out[checkpoint.AMP] = {k: t.clone() for k, t in pending["state"][checkpoint.AMP].items()}
+        return out
 
     def _cut(self, b: Bucket, state: dict) -> dict[str, torch.Tensor]:
         """This rank's shard of bucket `b` from a per-parameter state."""
@@ -229,8 +231,8 @@ class Parallel:
             _commit(step.state, sd["state"])
         step.optimizer.__dict__.update(candidate.__dict__)
 
-    def _check_sharded(self, sd) -> None:
-        if sd["parallel"].get("layout") != [b.signature() for b in self.layout]:
+    def _check_sharded(self, sd, layout=None) -> None:
+        if sd["parallel"].get("layout") != [b.signature() for b in (layout or self.layout)]:
             raise KilnError("load_state_dict: this rank's part of the checkpoint was saved with another bucket layout "
                             "(another model, bucket_mb or program); combine every rank's part with "
                             "kiln.distributed.consolidate([...]) and load the result. Nothing was loaded")
