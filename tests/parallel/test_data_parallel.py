@@ -54,7 +54,14 @@ def test_parity_with_ddp_and_zero_redundancy_optimizer_2_ranks(two_ranks):
 
 @pytest.mark.slow
 def test_parity_every_zero_and_dtype_2_ranks(tmp_path):
-    _check_parity(launch.run(2, "parity", tmp_path, args=("all",), timeout=300), 2)
+    """Also ZeRO-2 with SGD against DDP + torch.optim.SGD, and fp16 ZeRO-1 against DDP + GradScaler."""
+    res = launch.run(2, "parity", tmp_path, args=("all",), timeout=400)
+    _check_parity(res, 2)
+    for r in res:
+        assert r["sgd"]["rel"] <= 1e-4 and r["sgd"]["same"], r["sgd"]       # SGD's lr 0.1: 10x Adam's steps
+        f = r["fp16"]
+        assert f["scale"] == f["ref_scale"] < 2.0 ** 40 and f["same"], f
+        assert abs(f["loss"] - f["ref_loss"]) <= 0.02 * abs(f["ref_loss"]), f
 
 
 def test_checkpoints_and_resume_on_1_2_and_4_ranks(two_ranks, tmp_path):

@@ -141,7 +141,46 @@ def scenario_parity(out: Path, world: int, rank: int, which: str = "default", ke
         results.append(parity(2, None, world, rank, clip=0.05))                 # clipping over shards
     if which == "all":
         results.append(parity(1, None, world, rank, bucket_mb=25.0))            # one bucket
+        return {"parity": results, "sgd": sgd_parity(world, rank), "fp16": fp16_check(world, rank)}
     return {"parity": results}
+
+
+def sgd_parity(world: int, rank: int) -> dict:
+    """ZeRO-2 with SGD (nesterov momentum, weight decay) against DDP + torch.optim.SGD."""
+    mine, ref = model(), model()
+    kw = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    step = kiln.compile(mine, optimizer=kiln.optim.SGD(**kw), parallel=kiln.DataParallel(zero=2, bucket_mb=0.004))
+    ddp = DDP(ref)
+    opt = torch.optim.SGD(ddp.parameters(), **kw)
+    for batch in batches(5, world):
+        ids, labels = local(batch, rank, world)
+        step(ids, labels)
+        opt.zero_grad()
+        ddp(ids, labels).backward()
+        opt.step()
+    return {"rel": rel_diff(mine, ref), "same": same_on_all_ranks(mine)}
+
+
+def fp16_check(world: int, rank: int) -> dict:
+    """fp16 with ZeRO-1: the loss scale (overflow decided over every rank's shards) follows GradScaler's."""
+    mine, ref = model(), model()
+    step = kiln.compile(mine, optimizer=kiln.optim.AdamW(lr=LR), amp="fp16",
+                        parallel=kiln.DataParallel(zero=1, bucket_mb=0.004))
+    ddp = DDP(ref)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)          # overflows at first: scale backs off
+    step.state["__amp__"]["scale"].fill_(2.0 ** 40)
+    for batch in batches(8, world):
+        ids, labels = local(batch, rank, world)
+        got = step(ids, labels)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            want = ddp(ids, labels)
+        scaler.scale(want).backward()
+        scaler.step(opt)
+        scaler.update()
+    return {"scale": step.loss_scale, "ref_scale": scaler.get_scale(), "loss": got.item(), "ref_loss": want.item(),
+            "same": same_on_all_ranks(mine)}
 
 
 # ---- checkpoints: consolidated, sharded, resumed on another number of ranks ---------------------
