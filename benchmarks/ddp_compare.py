@@ -12,7 +12,8 @@ torch.distributed.optim.ZeroRedundancyOptimizer(AdamW), `kiln-zK` kiln.compile(.
 kiln.DataParallel(zero=K)), `-nooverlap` issues every collective at the end of the backward (so the
 difference to `kiln-z0` is what overlap hides). Kiln compiles with tuning="ahead" after rank 0 has filled
 the kernel cache alone (so the ranks choose the same kernels, measured on a quiet machine).
-Reported per rank 0: optimizer-state bytes (Kiln: the step's state; torch: the optimizer's), gradient bytes
+Reported per rank 0: the step's CPU time (all threads of the process: less sensitive to other load than
+wall time, but it does not count time waiting for the other rank), optimizer-state bytes (Kiln: the step's state; torch: the optimizer's), gradient bytes
 (Kiln: the most its collectives held in a step; DDP: the parameters' .grad, which DDP's buckets double),
 and for Kiln the time a collective was running and the time the step waited for one (the rest was hidden).
 """
@@ -45,6 +46,7 @@ def parse(argv=None):
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--load-start", type=float, default=os.getloadavg()[0], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
@@ -58,7 +60,7 @@ def launch(args) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", f"--master_port={port}",
-           os.path.abspath(__file__), "--worker", *sys.argv[1:]]
+           os.path.abspath(__file__), "--worker", f"--load-start={os.getloadavg()[0]}", *sys.argv[1:]]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     return subprocess.call(cmd, env=env)
 
@@ -116,19 +118,22 @@ def worker(args) -> None:
         steps[name], extra[name] = eager, (ddp, opt)
     del base
     times = {n: [] for n in names}
+    cpu = {n: [] for n in names}         # this process's CPU time per step (all its threads): noise-robust work
     stats = {n: [] for n in names}
     first, last = {}, {}
     for i in range(args.warmup + args.steps):
         order = names[i % len(names):] + names[:i % len(names)]
         for n in order:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             steps[n](batches[i % len(batches)])
             dt = last[n] = time.perf_counter() - t0
+            dc = time.process_time() - c0
             if i == 0:
                 first[n] = dt
             if i >= args.warmup:
                 times[n].append(dt)
+                cpu[n].append(dc)
                 if n.startswith("kiln"):
                     stats[n].append(dict(extra[n].parallel.comm.last))
         if rank == 0:
@@ -137,7 +142,8 @@ def worker(args) -> None:
     for n in names:
         med = statistics.median(times[n])
         q = statistics.quantiles(times[n], n=4) if len(times[n]) > 1 else [med, med, med]
-        row = {"median_s": med, "q1_s": q[0], "q3_s": q[2], "first_step_s": first[n]}
+        row = {"median_s": med, "q1_s": q[0], "q3_s": q[2], "first_step_s": first[n],
+               "cpu_s": statistics.median(cpu[n])}
         if n.startswith("kiln"):
             step = extra[n]
             row["state_bytes"] = step.parallel.stats(step)["state_bytes"]
@@ -158,22 +164,26 @@ def report(args, entry, rows, world) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
     result = {"machine": {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
-                          "load_avg_end": os.getloadavg(), "torch": torch.__version__},
-              "config": {k: v for k, v in vars(args).items() if k != "worker"}, "world": world, "modes": rows,
-              "command": "python benchmarks/ddp_compare.py " + " ".join(a for a in sys.argv[1:] if a != "--worker")}
+                          "load_avg_start": args.load_start, "load_avg_end": os.getloadavg(),
+                          "torch": torch.__version__},
+              "config": {k: v for k, v in vars(args).items() if k not in ("worker", "load_start")}, "world": world,
+              "modes": rows, "command": "python benchmarks/ddp_compare.py " + " ".join(
+                  a for a in sys.argv[1:] if a != "--worker" and not a.startswith("--load-start"))}
     p = entry.params
     print(f"\n{args.model} ({p['layers']} layers, hidden {p['hidden']}, batch {p['batch']} x seq {p['seq']} per rank), "
           f"{world} ranks x {args.threads} thread(s), gloo; {args.steps} measured steps after {args.warmup}; "
-          f"{cpu} ({result['machine']['isa']}); load average at the end {os.getloadavg()[0]:.2f}")
-    print(f"{'mode':<20}{'median ms':>10}{'IQR ms':>16}{'vs ddp':>8}{'vs ddp-zero':>12}{'opt state MB':>13}"
-          f"{'grads MB':>10}{'comm ms':>9}{'waited ms':>10}{'hidden ms':>10}")
+          f"{cpu} ({result['machine']['isa']}); 1-minute load average {args.load_start:.2f} at the start, "
+          f"{os.getloadavg()[0]:.2f} at the end (on {os.cpu_count()} CPUs)")
+    print(f"{'mode':<20}{'median ms':>10}{'IQR ms':>16}{'vs ddp':>8}{'vs ddp-zero':>12}{'CPU ms':>8}"
+          f"{'opt state MB':>13}{'grads MB':>10}{'comm ms':>9}{'waited ms':>10}{'hidden ms':>10}")
     mb = 2 ** 20
     for n, r in rows.items():
         vs = lambda ref: f"{rows[ref]['median_s'] / r['median_s']:.3f}x" if ref in rows else "-"  # noqa: E731
         comm = (f"{r['comm_s'] * 1e3:>9.1f}{r['waited_s'] * 1e3:>10.1f}{(r['comm_s'] - r['waited_s']) * 1e3:>10.1f}"
                 if "comm_s" in r else f"{'-':>9}{'-':>10}{'-':>10}")
         print(f"{n:<20}{r['median_s'] * 1e3:>10.1f}{r['q1_s'] * 1e3:>8.1f}-{r['q3_s'] * 1e3:<7.1f}{vs('ddp'):>8}"
-              f"{vs('ddp-zero'):>12}{r['state_bytes'] / mb:>13.1f}{r['grad_bytes'] / mb:>10.1f}{comm}")
+              f"{vs('ddp-zero'):>12}{r['cpu_s'] * 1e3:>8.0f}{r['state_bytes'] / mb:>13.1f}{r['grad_bytes'] / mb:>10.1f}"
+              f"{comm}")
     if "kiln-z0" in rows and "kiln-z0-nooverlap" in rows:
         saved = rows["kiln-z0-nooverlap"]["median_s"] - rows["kiln-z0"]["median_s"]
         print(f"overlap: kiln-z0 is {saved * 1e3:.1f} ms per step faster than kiln-z0-nooverlap")
