@@ -10,7 +10,9 @@ machine noise hits all modes alike; medians after the warm-up steps. `ddp` is Di
 torch.optim.AdamW (PyTorch's default implementation on CPU), `ddp-zero` DDP with
 torch.distributed.optim.ZeroRedundancyOptimizer(AdamW), `kiln-zK` kiln.compile(..., parallel=
 kiln.DataParallel(zero=K)), `-nooverlap` issues every collective at the end of the backward (so the
-difference to `kiln-z0` is what overlap hides). Kiln compiles with tuning="ahead" after rank 0 has filled
+difference to `kiln-z0` is what overlap hides). `local-eager` / `local-kiln` train each rank alone (no
+communication, eager AdamW / kiln.compile without parallel=), at the same time: what data parallelism
+costs each is the difference. Kiln compiles with tuning="ahead" after rank 0 has filled
 the kernel cache alone (so the ranks choose the same kernels, measured on a quiet machine).
 Reported per rank 0: the step's CPU time (all threads of the process: less sensitive to other load than
 wall time, but it does not count time waiting for the other rank), optimizer-state bytes (Kiln: the step's state; torch: the optimizer's), gradient bytes
@@ -31,7 +33,8 @@ import sys
 import time
 import warnings
 
-MODES = ("ddp", "ddp-zero", "kiln-z0", "kiln-z1", "kiln-z2", "kiln-z0-nooverlap")
+MODES = ("ddp", "ddp-zero", "kiln-z0", "kiln-z1", "kiln-z2", "kiln-z0-nooverlap", "local-eager", "local-kiln")
+DEFAULT = MODES[:6]
 
 
 def parse(argv=None):
@@ -40,7 +43,7 @@ def parse(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--model", default="llama", help="a kiln.bench.zoo model (llama, gpt2, ...)")
     p.add_argument("--size", default="default", help="zoo size preset (default: 4 layers, hidden 512)")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(DEFAULT), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--steps", type=int, default=10, help="measured steps per mode")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=25.0)
@@ -97,6 +100,10 @@ def worker(args) -> None:
     steps, extra = {}, {}
     for name in names:
         model = copy.deepcopy(base)
+        if name == "local-kiln":
+            step = kiln.compile(model, optimizer=kiln.optim.AdamW(**opt_kw), tuning="ahead")
+            steps[name] = (lambda s: lambda b: s(**b))(step)
+            continue
         if name.startswith("kiln"):
             zero = int(name.split("-z")[1][0])
             step = kiln.compile(model, optimizer=kiln.optim.AdamW(**opt_kw), tuning="ahead",
@@ -105,7 +112,7 @@ def worker(args) -> None:
             steps[name] = (lambda s: lambda b: s(**b))(step)
             extra[name] = step
             continue
-        ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+        ddp = DDP(model, bucket_cap_mb=args.bucket_mb) if name != "local-eager" else model
         opt = (ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **opt_kw)
                if name == "ddp-zero" else torch.optim.AdamW(ddp.parameters(), **opt_kw))
 
@@ -144,7 +151,9 @@ def worker(args) -> None:
         q = statistics.quantiles(times[n], n=4) if len(times[n]) > 1 else [med, med, med]
         row = {"median_s": med, "q1_s": q[0], "q3_s": q[2], "first_step_s": first[n],
                "cpu_s": statistics.median(cpu[n])}
-        if n.startswith("kiln"):
+        if n in ("local-eager", "local-kiln"):
+            row["state_bytes"] = row["grad_bytes"] = 0
+        elif n.startswith("kiln"):
             step = extra[n]
             row["state_bytes"] = step.parallel.stats(step)["state_bytes"]
             row["grad_bytes"] = statistics.median(s["peak_grad_bytes"] for s in stats[n])
