@@ -34,6 +34,7 @@ from kiln.errors import KilnError
 from kiln.ir.builder import Builder
 from kiln.ir.graph import Graph, Node, Phase, Role, TensorMeta, Value
 from kiln.ops import collectives as C
+from kiln.ops.registry import Kind
 
 ZERO_STATE = "__zero__.bucket"   # step.state key of a ZeRO bucket's shard of optimizer state: ZERO_STATE + index
 SCOPE = "data_parallel"
@@ -109,7 +110,7 @@ def reduce_gradients(ctx) -> int:
     dp = ctx.parallel
     if dp is None:
         return 0
-    from kiln.passes.pipeline import Update
+    from kiln.passes.pipeline import Update       # the pipeline imports this module
     g, comm, zero = ctx.graph, dp.comm, dp.zero
     pos = {n.uid: i for i, n in enumerate(g.nodes)}
 
@@ -208,7 +209,7 @@ def summary(graph: Graph, seconds: list[float] | None = None) -> list[str]:
              "overlaps the ops up to its wait:"]
     for i, n in starts:
         j = wait_at.get(id(n.outputs[0]), i)
-        between = [m for m in graph.nodes[i + 1:j] if m.op.kind.value != "collective"]
+        between = [m for m in graph.nodes[i + 1:j] if m.op.kind is not Kind.COLLECTIVE]
         if n.op is C.LOSS_START:
             what = "all-reduce of the loss (and the lockstep count)"
         else:
