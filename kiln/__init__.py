@@ -17,9 +17,10 @@ if TYPE_CHECKING:
     import torch
 
     from kiln import optim
+    from kiln.distributed import DataParallel
     from kiln.runtime.step import CompiledStep
 
-__all__ = ["compile", "explain", "dialects", "optim", "adopt", "CompiledStep", "KilnError", "CaptureError",
+__all__ = ["compile", "explain", "dialects", "optim", "adopt", "DataParallel", "CompiledStep", "KilnError", "CaptureError",
            "UnsupportedError", "InputError", "StepError", "NonFiniteError"]
 __version__ = "0.1.0"
 
@@ -28,7 +29,7 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: 
             dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
             max_programs: int = 8, verify: bool = False, tuning: str | None = None,
             nonfinite: str = "raise", dynamic=None, fail_on_max_programs: bool = False,
-            memory_budget=None) -> "CompiledStep":
+            memory_budget=None, parallel: "DataParallel | None" = None) -> "CompiledStep":
     """Compile `model`'s training step.
 
     Args:
@@ -69,6 +70,9 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: 
             skips such steps itself). "raise" (default): a `NonFiniteError` naming the loss or the first
             parameter, with parameters and optimizer state unchanged; "skip": the step is skipped with a
             warning and counted in `step.skipped_steps`; "ignore": no check (the update applies NaNs).
+        parallel: `kiln.DataParallel(zero=0|1|2, bucket_mb=25)` to train on several processes (after
+            `torch.distributed.init_process_group`): gradients averaged over the ranks by collectives inside
+            the step, overlapping the backward; ZeRO-1/2 shard the optimizer state (and the gradients).
 
     Every step is all or nothing: the update (parameters, optimizer state, step counters, loss scale,
     buffers) is committed at once at the end, so an exception or a signal leaves all of it as it was
@@ -81,7 +85,7 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: 
     return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
                         verify=verify, amp=amp, amp_overrides=amp_overrides, tuning=tuning,
                         nonfinite=nonfinite, dynamic=dynamic, fail_on_max_programs=fail_on_max_programs,
-                        memory_budget=memory_budget)
+                        memory_budget=memory_budget, parallel=parallel)
 
 
 def explain(step: "CompiledStep", file=None, profile: bool = False) -> str:
@@ -97,7 +101,7 @@ def explain(step: "CompiledStep", file=None, profile: bool = False) -> str:
 # well under a second: torch and the compiler load when one of these is first touched.
 _LAZY = {"optim": ("kiln.optim", None), "dialects": ("kiln.dialects.registry", "dialects"),
          "CompiledStep": ("kiln.runtime.step", "CompiledStep"), "NonFiniteError": ("kiln.guards", "NonFiniteError"),
-         "adopt": ("kiln.adopt", None)}
+         "adopt": ("kiln.adopt", None), "DataParallel": ("kiln.distributed", "DataParallel")}
 
 
 def __getattr__(name: str):

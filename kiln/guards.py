@@ -58,11 +58,16 @@ def check_finite(loss: torch.Tensor, grads: list, names: tuple, mode: str) -> No
         if first is None:                 # finite after all: only the sum of squares overflowed
             return
         what = f"the gradient of parameter {first!r} is not finite"
+    not_finite(what, loss, mode)
+
+
+def not_finite(what: str, loss: torch.Tensor, mode: str, where: str = "") -> None:
+    """Skip the step (mode "skip") or raise NonFiniteError: `what` is not finite; nothing was written."""
     if mode == "skip":
         raise SkippedStep(what, loss.detach())
-    raise NonFiniteError(f"{what}; parameters and optimizer state are unchanged. Lower the learning rate, clip "
-                         "gradients (max_grad_norm=), check the batch, or pass kiln.compile(..., nonfinite='skip') "
-                         "to skip such steps")
+    raise NonFiniteError(f"{what}; parameters and optimizer state are unchanged{where}. Lower the learning rate, "
+                         "clip gradients (max_grad_norm=), check the batch, or pass kiln.compile(..., "
+                         "nonfinite='skip') to skip such steps")
 
 
 CHECK_FINITE = register(OpDef("kiln.check_finite", (check_finite,), None, Kind.OPTIMIZER, Cast.FP32,

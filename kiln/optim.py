@@ -75,10 +75,8 @@ def adamw_update_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, b
     stage(torch._foreach_copy_, steps, new_steps)
 
 
-def sgd_update(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay,
-               found_inf=None):
-    if _skip(found_inf):
-        return
+def _sgd(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay):
+    """The SGD step out of place: (new parameter, state tensors to write, their new values)."""
     d = grad.add(param, alpha=weight_decay) if weight_decay else grad
     dst, src = [step], [step + 1]
     if momentum:
@@ -86,7 +84,38 @@ def sgd_update(param, grad, momentum_buffer, step, lr, momentum, dampening, nest
         d = d.add(buf, alpha=momentum) if nesterov else buf
         dst.append(momentum_buffer)
         src.append(buf)
-    stage(torch._foreach_copy_, [param, *dst], [param.add(d, alpha=-lr), *src])
+    return param.add(d, alpha=-lr), dst, src
+
+
+def sgd_update(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay,
+               found_inf=None):
+    if _skip(found_inf):
+        return
+    new, dst, src = _sgd(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay)
+    stage(torch._foreach_copy_, [param, *dst], [new, *src])
+
+
+# ---- out-of-place updates (ZeRO) -------------------------------------------------------------------
+# A ZeRO rank updates its shard of the parameters, then the new shards are all-gathered to every rank
+# before the step commits: these return the new parameter values and stage only the state's writes.
+def adamw_update_out(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, found_inf=None):
+    """AdamW on copies (one fused kernel); returns the new parameter, stages the state's writes."""
+    if _skip(found_inf):
+        return (param,)
+    new_p, new_avg, new_sq, new_step = param.clone(), exp_avg.clone(), exp_avg_sq.clone(), step + 1
+    torch._fused_adamw_([new_p], [same_layout(grad, param)], [new_avg], [new_sq], [], [new_step], lr=lr,
+                        beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    stage(torch._foreach_copy_, [exp_avg, exp_avg_sq, step], [new_avg, new_sq, new_step])
+    return (new_p,)
+
+
+def sgd_update_out(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay,
+                   found_inf=None):
+    if _skip(found_inf):
+        return (param,)
+    new, dst, src = _sgd(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay)
+    stage(torch._foreach_copy_, dst, src)
+    return (new,)
 
 
 def loss_scale_update(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
@@ -112,6 +141,18 @@ SGD_OP = register(OpDef("kiln.sgd_update", (sgd_update,), None, Kind.OPTIMIZER, 
                         differentiable=False, side_effects=True, infer=_no_outputs,
                         cost=lambda n: 4.0 * hint(n.args[0].meta.numel),
                         doc="in-place SGD (momentum, nesterov, weight decay) step of one parameter"))
+
+
+def _out_of_place(fn, per_element: float, what: str) -> OpDef:
+    """An update op of a ZeRO shard: returns the new values (same meta as the parameter), stages the state."""
+    return register(OpDef(f"kiln.{fn.__name__}", (fn,), None, Kind.OPTIMIZER, Cast.FP32, differentiable=False,
+                          side_effects=True, infer=lambda args, kwargs: [args[0].meta],
+                          cost=lambda n: per_element * n.args[0].meta.numel,
+                          doc=f"{what} step of a ZeRO shard, out of place: returns the new values, stages the state"))
+
+
+ADAMW_OUT = _out_of_place(adamw_update_out, 10.0, "AdamW")
+SGD_OUT = _out_of_place(sgd_update_out, 4.0, "SGD")
 
 
 LOSS_SCALE = register(OpDef("kiln.loss_scale_update", (loss_scale_update,), None, Kind.OPTIMIZER, Cast.FP32,
@@ -156,6 +197,11 @@ class Optimizer:
                     found_inf: Value | None = None) -> None:
         raise NotImplementedError
 
+    def emit_update_out(self, b, param: Value, grad: Value, state: dict[str, Value], lr: Value,
+                        found_inf: Value | None = None) -> Value:
+        """The update out of place (ZeRO shards): returns the new parameter value; only state is written."""
+        raise NotImplementedError
+
     def hyperparameters(self) -> dict:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
@@ -191,6 +237,11 @@ class AdamW(Optimizer):
         b.emit(ADAMW, (param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, *self.betas,
                        self.eps, self.weight_decay, found_inf), {}, metas=[])
 
+    def emit_update_out(self, b, param, grad, state, lr, found_inf=None):
+        (new,) = b.emit(ADAMW_OUT, (param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr,
+                                    *self.betas, self.eps, self.weight_decay, found_inf), {}, metas=[param.meta])
+        return new
+
 
 class SGD(Optimizer):
     """SGD with momentum, dampening, nesterov and (coupled) weight decay (as torch.optim.SGD)."""
@@ -220,11 +271,18 @@ class SGD(Optimizer):
         b.emit(SGD_OP, (param, grad, state["momentum_buffer"], state["step"], lr, self.momentum, self.dampening,
                         self.nesterov, self.weight_decay, found_inf), {}, metas=[])
 
+    def emit_update_out(self, b, param, grad, state, lr, found_inf=None):
+        (new,) = b.emit(SGD_OUT, (param, grad, state["momentum_buffer"], state["step"], lr, self.momentum,
+                                  self.dampening, self.nesterov, self.weight_decay, found_inf), {}, metas=[param.meta])
+        return new
 
-def clip_by_global_norm(b, grads: list[Value], max_norm: float) -> list[Value]:
-    """grads * min(1, max_norm / (||grads||_2 + 1e-6)), as torch.nn.utils.clip_grad_norm_."""
-    norms = [b(aten.linalg_vector_norm.default, g, 2) for g in grads]
-    total = b(aten.linalg_vector_norm.default, b(aten.stack.default, norms), 2)
+
+def clip_by_global_norm(b, grads: list[Value], max_norm: float, total: Value | None = None) -> list[Value]:
+    """grads * min(1, max_norm / (||grads||_2 + 1e-6)), as torch.nn.utils.clip_grad_norm_. `total`: the
+    norm computed elsewhere (data parallel: over every rank's shards, kiln/passes/collectives.py)."""
+    if total is None:
+        norms = [b(aten.linalg_vector_norm.default, g, 2) for g in grads]
+        total = b(aten.linalg_vector_norm.default, b(aten.stack.default, norms), 2)
     limit = b(aten.full.default, [], float(max_norm), dtype=total.meta.dtype, device=total.meta.device)
     coef = b(aten.clamp.default, b(aten.div.Tensor, limit, b(aten.add.Tensor, total, 1e-6)), None, 1.0)
     return [b(aten.mul.Tensor, g, coef) for g in grads]

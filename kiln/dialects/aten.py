@@ -109,6 +109,23 @@ def _register_optimizer_kernels() -> None:
 _register_optimizer_kernels()
 
 
+def _register_collective_kernels() -> None:
+    """Data parallel: torch.distributed's collectives (kiln/ops/collectives.py) and the out-of-place
+    updates of ZeRO shards. Side effects: never retried on another kernel."""
+    from kiln import optim
+    from kiln.dialects.registry import kernel
+    from kiln.ops import collectives
+    for op in (*collectives.STARTS, *collectives.WAITS, collectives.STEP_BEGIN, collectives.SHARD_PARAMS,
+               collectives.SUM_OVER_RANKS, collectives.GRAD_NORM, collectives.CHECK_FINITE_RANKS):
+        fn = op.targets[0]
+        kernel(ATEN, fn, fn, name="c10d")
+    kernel(ATEN, optim.adamw_update_out, optim.adamw_update_out, name="fused")
+    kernel(ATEN, optim.sgd_update_out, optim.sgd_update_out, name="reference")
+
+
+_register_collective_kernels()
+
+
 # ---- fusion: the AdamW updates of all parameters -> one multi-tensor fused kernel ---------------
 def _register_optimizer_fusion() -> None:
     from kiln import optim

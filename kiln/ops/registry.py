@@ -33,6 +33,7 @@ class Kind(enum.Enum):
     CREATION = "creation"      # zeros/ones/arange/full: no tensor inputs
     LOSS = "loss"
     OPTIMIZER = "optimizer"    # in-place parameter/state updates
+    COLLECTIVE = "collective"  # torch.distributed communication between ranks (kiln/ops/collectives.py)
     OPAQUE = "opaque"          # fallbacks and anything Kiln cannot see into
 
 
@@ -155,6 +156,7 @@ def _load() -> None:
     from kiln.ops import kernels  # noqa: F401  (kiln.kernels custom ops)
     from kiln.ops import functions  # noqa: F401  (user torch.autograd.Functions)
     from kiln import optim  # noqa: F401  (optimizer update ops)
+    from kiln.ops import collectives  # noqa: F401  (data-parallel communication)
     from kiln.autodiff import fallback  # noqa: F401
 
 

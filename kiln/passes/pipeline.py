@@ -25,6 +25,7 @@ from kiln.ir.printer import format_graph
 from kiln.optim import LOSS_SCALE, Optimizer, clip_by_global_norm, unscale_and_check
 from kiln.passes.amp import AmpPolicy, autocast
 from kiln.passes.canonicalize import canonicalize, lower_dialects
+from kiln.passes.collectives import gather_params, reduce_gradients
 from kiln.passes.cse import common_subexpression_elimination
 from kiln.passes.dce import dead_code_elimination
 from kiln.passes.dispatch import dispatch
@@ -38,6 +39,18 @@ log = logging.getLogger("kiln")
 
 
 @dataclass
+class Update:
+    """One optimizer update, from `autodiff` to `optimizer` (the `collectives` pass may rewrite them)."""
+
+    param: Value                 # the trainable parameter; ZeRO: this rank's flat shard of a bucket's parameters
+    grad: Value                  # its gradient (data parallel: averaged over the ranks, or this rank's shard)
+    name: str                    # what messages call it
+    state: str                   # key of its optimizer state in the step's state (the parameter's source)
+    out_of_place: bool = False   # ZeRO: the update returns the new values (`new`), all-gathered before the commit
+    new: Value | None = None
+
+
+@dataclass
 class Context:
     graph: Graph                   # graph.outputs[0] is the loss
     optimizer: Optimizer
@@ -45,43 +58,68 @@ class Context:
     amp: AmpPolicy | None = None
     verify: bool = False
     nonfinite: str = "raise"       # kiln.guards.NONFINITE
+    parallel: object = None        # data parallel (kiln.runtime.parallel.Parallel): the collectives pass's input
     timings: list[tuple[str, float, int]] = field(default_factory=list)   # (pass, seconds, nodes after)
     regions: list = field(default_factory=list)  # every fused region considered (kiln.passes.regions.Region)
     choices: list = field(default_factory=list)  # nodes whose measured kernel the tuner chooses (registry.select)
     memory_budget: int | float | None = None     # bytes, or a fraction of the unconstrained peak (remat)
     memory: object = None                        # what the remat pass decided (kiln.passes.remat.Plan)
+    updates: list[Update] = field(default_factory=list)   # autodiff -> (collectives) -> optimizer
+    loss_scale: Value | None = None                       # fp16: the backward's seed, a state input
+    collectives: object = None     # data parallel: the collectives pass's Plan (kiln/passes/collectives.py)
 
 
-def add_backward_and_update(ctx: Context) -> int:
-    """Autodiff w.r.t. every trainable parameter, then the optimizer update as graph code."""
+def add_backward(ctx: Context) -> int:
+    """Autodiff w.r.t. every trainable parameter: one `Update` per parameter that gets a gradient."""
     g = ctx.graph
     params = g.inputs_with(Role.PARAM)
     scaling = ctx.amp is not None and ctx.amp.dtype == torch.float16
     scale = g.add_input("loss_scale", _scalar_meta(torch.float32), Role.STATE, f"{AMP_STATE}:scale") if scaling else None
+    ctx.loss_scale = scale
     grads = differentiate(g, g.outputs[0], params, seed=scale)
     for p in params:
         if p not in grads:
             log.info("kiln: parameter %s gets no gradient from this loss; it is not updated", p.source)
+    ctx.updates = [Update(p, grads[p], p.source, p.source) for p in params if p in grads]
+    return len(ctx.updates)
+
+
+def add_update(ctx: Context) -> int:
+    """The optimizer as graph code: non-finite guard (or fp16 unscaling), clipping, one update per `Update`.
+    Data parallel (`ctx.collectives`): the guard reads the loss averaged over the ranks; with ZeRO shards
+    the guard, the clipping norm and fp16's overflow flag are decided over every rank's shards."""
+    g = ctx.graph
+    plan = ctx.collectives
+    sharded = plan is not None and plan.sharded
     b = Builder(g, Phase.OPTIMIZER, scope="optimizer")
-    updated = [p for p in params if p in grads]
-    gs = [grads[p] for p in updated]
+    updated = ctx.updates
+    gs = [u.grad for u in updated]
+    loss = plan.loss if plan is not None else g.outputs[0]
     found_inf = None
-    if scaling:
-        gs, found_inf = unscale_and_check(b, gs, scale)
+    if ctx.loss_scale is not None:
+        gs, found_inf = unscale_and_check(b, gs, ctx.loss_scale)
+        if sharded:
+            found_inf = plan.sum_over_ranks(b, found_inf)     # overflow on any rank skips every rank's update
+    elif sharded:
+        plan.check_finite(b, loss, gs, [u.name for u in updated], ctx.nonfinite)
     else:                          # fp16's loss scaler skips overflowing steps itself
-        emit_check(b, g.outputs[0], gs, [p.source for p in updated], ctx.nonfinite)
+        emit_check(b, loss, gs, [u.name for u in updated], ctx.nonfinite)
     if ctx.optimizer.max_grad_norm is not None and gs:
-        gs = clip_by_global_norm(b, gs, ctx.optimizer.max_grad_norm)
+        gs = clip_by_global_norm(b, gs, ctx.optimizer.max_grad_norm,
+                                 total=plan.grad_norm(b, gs) if plan is not None else None)
     lr = g.add_input("lr", None, Role.SCALAR, "lr")
-    for p, grad in zip(updated, gs):
-        state = {slot: g.add_input(f"{p.name}__{slot}", _state_meta(p, slot), Role.STATE, f"{p.source}:{slot}")
-                 for slot in ctx.optimizer.slots}
-        b.scope = f"optimizer:{p.source}"
-        ctx.optimizer.emit_update(b, p, grad, state, lr, found_inf)
-    if scaling:
+    for u, grad in zip(updated, gs):
+        state = {slot: g.add_input(f"{u.param.name}__{slot}", _state_meta(u.param, slot), Role.STATE,
+                                   f"{u.state}:{slot}") for slot in ctx.optimizer.slots}
+        b.scope = f"optimizer:{u.name}"
+        if u.out_of_place:
+            u.new = ctx.optimizer.emit_update_out(b, u.param, grad, state, lr, found_inf)
+        else:
+            ctx.optimizer.emit_update(b, u.param, grad, state, lr, found_inf)
+    if ctx.loss_scale is not None:
         b.scope = "optimizer:loss_scale"
         tracker = g.add_input("growth_tracker", _scalar_meta(torch.int32), Role.STATE, f"{AMP_STATE}:growth_tracker")
-        b.emit(LOSS_SCALE, (scale, tracker, found_inf, *ctx.amp.scaler), {}, metas=[])
+        b.emit(LOSS_SCALE, (ctx.loss_scale, tracker, found_inf, *ctx.amp.scaler), {}, metas=[])
     return len(updated)
 
 
@@ -115,7 +153,10 @@ PIPELINE: list[Pass] = [
     ("fuse", lambda c: fuse(c.graph, c.dialects, "forward")),     # dialect fusion patterns -> fused ops
     ("amp", lambda c: autocast(c.graph, c.amp) if c.amp else 0),   # casts per op cast class (bf16/fp16)
     # the training graph: forward + backward + update
-    ("autodiff+optimizer", add_backward_and_update),
+    ("autodiff", add_backward),                                   # gradients of the trainable parameters
+    ("collectives", reduce_gradients),   # data parallel: gradient buckets, async all-reduce / reduce-scatter
+    ("optimizer", add_update),           # guard, clipping, one update per gradient (ZeRO: per shard, out of place)
+    ("gather_params", gather_params),    # ZeRO: updated shards all-gathered, parameter writes staged
     ("remove_noops", lambda c: remove_noops(c.graph)),
     ("cse", lambda c: common_subexpression_elimination(c.graph)),
     ("dce", lambda c: dead_code_elimination(c.graph)),

@@ -109,6 +109,8 @@ def explain(step, file=None, profile: bool = False) -> str:
     if prog.regions:
         from kiln.passes.regions import summary
         lines.append(summary(prog.regions))
+    from kiln.passes import collectives       # data parallel: each collective, its bucket, what it overlaps
+    lines += collectives.summary(g, seconds)
     lines.append(f"compiled in {prog.compile_seconds:.2f}s; passes: " +
                  ", ".join(f"{name} {sec * 1000:.0f}ms" for name, sec, _ in prog.timings))
     if fallbacks:

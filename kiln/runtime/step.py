@@ -24,6 +24,7 @@ from kiln.runtime import checkpoint, memory, shapes
 from kiln.runtime.codegen import generate
 from kiln.runtime.failures import describe_failure
 from kiln.runtime.programs import CacheInfo, Program, ProgramCache
+from kiln.runtime.parallel import Parallel
 from kiln.transaction import step_transaction
 
 log = logging.getLogger("kiln")
@@ -71,7 +72,7 @@ class CompiledStep:
                  dialects=None, max_programs: int = 8, verify: bool = False, amp: str | None = None,
                  amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16, tuning: str | None = None,
                  nonfinite: str = "raise", dynamic: Any = None, fail_on_max_programs: bool = False,
-                 memory_budget: Any = None):
+                 memory_budget: Any = None, parallel=None):
         if not isinstance(model, torch.nn.Module):
             raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -110,7 +111,10 @@ class CompiledStep:
                 log.warning("kiln: amp=%r on a CPU without native %s matrix multiply (torch CPU capability %s) "
                             "and the upcast dialect disabled: ATen emulates it, much slower than fp32",
                             amp, low, torch.backends.cpu.get_cpu_capability())
-        self.state: dict[str, dict[str, torch.Tensor]] = {n: optimizer.init_state(p) for n, p in self.params.items()}
+        # ---- data parallel: with ZeRO each rank keeps only its shards, made when the first program fixes them
+        sharded = parallel is not None and getattr(parallel, "zero", 0) > 0
+        self.state: dict[str, dict[str, torch.Tensor]] = {} if sharded else {
+            n: optimizer.init_state(p) for n, p in self.params.items()}
         if self.amp is not None and self.amp.dtype == torch.float16:
             self.state[AMP_STATE] = {"scale": torch.tensor(float(init_loss_scale)),
                                      "growth_tracker": torch.zeros((), dtype=torch.int32)}
@@ -119,6 +123,8 @@ class CompiledStep:
         self._tensors = self._module_tensors()
         self._warned_full = False
         self._static_only: set = set()      # structures whose dynamic compile failed: static programs only
+        self.parallel = Parallel(parallel, self) if parallel is not None else None   # checks the ranks agree
+        # ---- end data parallel
 
     # ---- running ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -300,12 +306,15 @@ class CompiledStep:
             env = symbolic.shape_env([v.meta.shape for v in graph.inputs if v.meta is not None])   # are eager's
             guards_before = len(env.guards) if env is not None else 0
             ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
-                                       nonfinite=self.nonfinite, memory_budget=self.memory_budget))
+                                       nonfinite=self.nonfinite, memory_budget=self.memory_budget,
+                                       parallel=self.parallel))
             t1 = time.perf_counter()        # the passes asked; the tuner compiles, measures, prepares workers
             mark = self.tuner.mark()
             self.tuner.realize(ctx)
             ctx.timings.append(("tuning", time.perf_counter() - t1, len(ctx.graph.nodes)))
             run_pipeline(ctx, AFTER_TUNING)
+            if self.parallel is not None:   # data parallel: the ranks compiled alike; ZeRO state shards exist
+                self.parallel.compiled(self, ctx)
         source, fn = generate(ctx.graph)
         signature = None
         if env is not None:                 # every guard recorded so far goes into the signature's check
@@ -437,12 +446,20 @@ class CompiledStep:
         return mark
 
     # ---- checkpointing ---------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Optimizer state (per parameter name) and hyper-parameters; tensors are copies."""
+    def state_dict(self, sharded: bool = False) -> dict | None:
+        """Optimizer state (per parameter name) and hyper-parameters; tensors are copies. Data parallel: the
+        whole state on rank 0 and None on the other ranks (with ZeRO every rank must call it: the shards
+        are gathered); `sharded=True`: this rank's part, see kiln/runtime/parallel.py."""
+        if self.parallel is not None:
+            with self._lock:
+                return self.parallel.state_dict(self, sharded)
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, sd: dict) -> None:
         """Load what `state_dict()` returned. Every key, slot, tensor shape/dtype/device and hyper-parameter
-        is checked first; anything wrong refuses the whole checkpoint with a KilnError (nothing applied)."""
+        is checked first; anything wrong refuses the whole checkpoint with a KilnError (nothing applied).
+        Data parallel: a whole state loads on any number of ranks (each cuts its shards)."""
         with self._lock:
+            if self.parallel is not None:
+                return self.parallel.load_state_dict(self, sd)
             checkpoint.load_state_dict(self, sd)
