@@ -48,8 +48,9 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: 
             programs are compiled for dynamic sizes; `fail_on_max_programs=True` raises `InputError` instead.
         dynamic: which sizes a program may vary. None (default): the first batch compiles for its exact
             sizes; once a batch of the same structure comes with other sizes, one program with every
-            dimension dynamic (those the model fixes stay static) serves them all. True: dynamic from the
-            first batch. False: one program per distinct shape. A dict names the dynamic dimensions, e.g.
+            dimension dynamic (those the model fixes stay static) serves them all; with `parallel=` the
+            first program is already dynamic (ranks see sizes of their own). True: dynamic from the first
+            batch. False: one program per distinct shape. A dict names the dynamic dimensions, e.g.
             {"input_ids": {1: "seq"}, "labels": {1: "seq"}} (positional arguments by index); dimensions with
             one name are one size. `step.cache_info()` lists the programs, their symbolic sizes and guards.
         memory_budget: the peak memory a step may take: bytes (an int, or "6GiB", "512MiB"), or a fraction

@@ -205,6 +205,8 @@ class CompiledStep:
         """Compile a program for this call: for its exact sizes, or (the policy decides, kiln/runtime/shapes.py)
         with symbolic ones. At `max_programs`, the least recently used program makes room (once warned)."""
         go_dynamic = self.cache.seen_other_sizes(base, sizes)
+        if self.parallel is not None:       # data parallel: each rank sees its own sizes, so a program for exact
+            go_dynamic = True               # sizes would make the ranks recompile at different steps
         if len(self.cache) >= self.cache.max_programs:
             if self.fail_on_max_programs:
                 raise InputError(

@@ -52,6 +52,15 @@ def test_parity_with_ddp_and_zero_redundancy_optimizer_2_ranks(two_ranks):
     _check_parity(two_ranks[1], 2)
 
 
+def test_ranks_with_their_own_batch_sizes_share_one_dynamic_program(two_ranks):
+    for r in two_ranks[1]:
+        d = r["dynamic"]
+        assert d["programs"] == 1 and d["dynamic"] == [True], d       # never a recompile, on any rank
+        assert d["rel"] <= REL and d["same"], d
+        for got, want in d["losses"]:
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), d["losses"]
+
+
 @pytest.mark.slow
 def test_parity_every_zero_and_dtype_2_ranks(tmp_path):
     """Also ZeRO-2 with SGD against DDP + torch.optim.SGD, and fp16 ZeRO-1 against DDP + GradScaler."""
@@ -89,7 +98,7 @@ def test_failures_are_clear_errors_never_hangs(tmp_path):
         assert "differ in their models" in r["mismatch"] and "emb.weight" in r["mismatch"], r["mismatch"]
     # rank 1's loss is NaN at one step: every rank skips it alike (nonfinite="skip"), then trains on
     assert r0["skipped"] == r1["skipped"] == 1 and r0["skipped_same"] and r1["skipped_same"], (r0, r1)
-    # rank 1 compiles another program at step 3 (other shapes): both fail within their timeouts
+    # rank 1 compiles another program at step 3 (int32 ids): both fail within their timeouts
     assert "did not take part within 3 s" in r0["diverge"], r0["diverge"]
     assert "could not compare the programs" in r1["diverge"], r1["diverge"]
     assert r0["diverge_s"] < 60 and r1["diverge_s"] < 60

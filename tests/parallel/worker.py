@@ -130,6 +130,31 @@ def parity(zero: int, amp: str | None, world: int, rank: int, steps: int = 5, bu
             "buckets": len(step.parallel.layout)}
 
 
+def dynamic_parity(world: int, rank: int, steps: int = 5) -> dict:
+    """Every rank gets its own sequence length and batch size at every step (a data loader with per-batch
+    padding): one program for every size on every rank, parameters as DDP's."""
+    mine, ref = model(), model()
+    step = kiln.compile(mine, optimizer=kiln.optim.AdamW(lr=LR, weight_decay=WD), parallel=kiln.DataParallel(zero=1))
+    ddp = DDP(ref)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WD)
+    g = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(steps):
+        sizes = [(int(torch.randint(2, 6, (), generator=g)), int(torch.randint(4, 13, (), generator=g)))
+                 for _ in range(world)]
+        b, t = sizes[rank]
+        ids = torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(100 * rank + t))
+        got = step(ids, ids)
+        opt.zero_grad()
+        want = ddp(ids, ids)
+        want.backward()
+        opt.step()
+        losses.append((got.item(), want.item()))
+    info = step.cache_info()
+    return {"rel": rel_diff(mine, ref), "same": same_on_all_ranks(mine), "losses": losses,
+            "programs": len(info.programs), "dynamic": [p.dynamic for p in info.programs]}
+
+
 def scenario_parity(out: Path, world: int, rank: int, which: str = "default", keep: dict | None = None) -> dict:
     """default: zero 0/1/2 fp32, ZeRO-1 bf16, ZeRO-2 with clipping; fp32: zero 0/1/2; all: every zero in
     fp32 and bf16, clipping, and one bucket for the whole model."""
@@ -297,11 +322,12 @@ def scenario_failures(out: Path, world: int, rank: int) -> dict:
         raise kiln.KilnError(" | ".join(errors))
     res["bad_batch"], res["bad_batch_s"] = _error(bad_batch)
 
-    def diverge():                                  # rank 1 feeds other shapes at the 3rd step: another program
+    def diverge():                                  # rank 1 feeds int32 ids at the 3rd step: another program
         step = kiln.compile(model(), optimizer=kiln.optim.AdamW(lr=LR),
                             parallel=kiln.DataParallel(process_group=dist.new_group(backend="gloo"), **fast))
         for i, batch in enumerate(batches(4, world)):
-            step(*local(batch, rank, world, share=3 if (i == 2 and rank == 1) else None))
+            ids, labels = local(batch, rank, world)
+            step(ids.int() if (i == 2 and rank == 1) else ids, labels)
     res["diverge"], res["diverge_s"] = _error(diverge)
 
     group = dist.new_group(backend="gloo")
@@ -335,7 +361,8 @@ class _Partial(dict):
 
 def scenario_two(out: Path, world: int, rank: int) -> dict:
     """The default 2-rank launch: parity, then checkpoints (one launch: starting ranks costs seconds)."""
-    return {**scenario_parity(out, world, rank), **scenario_checkpoint(out, world, rank)}
+    return {**scenario_parity(out, world, rank), "dynamic": dynamic_parity(world, rank),
+            **scenario_checkpoint(out, world, rank)}
 
 
 SCENARIOS = {"parity": scenario_parity, "checkpoint": scenario_checkpoint, "resume": scenario_resume,
