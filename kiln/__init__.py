@@ -25,7 +25,7 @@ __all__ = ["compile", "explain", "dialects", "optim", "adopt", "DataParallel", "
 __version__ = "0.1.0"
 
 
-def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: Callable | None = None,
+def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer | torch.optim.Optimizer", loss_fn: Callable | None = None,
             dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
             max_programs: int = 8, verify: bool = False, tuning: str | None = None,
             nonfinite: str = "raise", dynamic=None, fail_on_max_programs: bool = False,
@@ -35,7 +35,10 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: 
     Args:
         model: any nn.Module. Without `loss_fn`, `model(*args, **kwargs)` must return the loss: a scalar
             tensor, a tuple/list led by it, or an object with `.loss` (Hugging Face ModelOutput).
-        optimizer: `kiln.optim.AdamW(...)` or `kiln.optim.SGD(...)`; its update runs inside the step.
+        optimizer: `kiln.optim.AdamW(...)` or `kiln.optim.SGD(...)`, or a `torch.optim.AdamW`, `Adam` or `SGD`
+            (with parameter groups; hyper-parameters read from its `param_groups` at every call, so lr
+            schedulers work; its `state` tensors are the ones the step updates). The update runs inside
+            the step.
         loss_fn: optional `loss_fn(model, *args, **kwargs) -> loss`.
         dialects: kernel providers in preference order (default: all, by priority); `aten` is always
             the fallback. See `kiln.dialects`.

@@ -2,12 +2,16 @@
 
 Each optimizer emits, after the backward, optional global-norm gradient clipping (plain graph ops)
 and one in-place update node per parameter. Update nodes are Kiln ops (side effects, kind OPTIMIZER)
-with kernels from the dialects: the fused ATen kernel (`_fused_adamw_`, `_fused_sgd_`) where it
-accepts the tensors, and a reference kernel that follows `torch.optim`'s single-tensor code otherwise.
-Parameters and states stay in their own dtype (fp32 master weights); learning rate is read at every
-call, so schedules work by setting `optimizer.lr`. No kernel writes while the step runs: each stages its
-writes, and the step commits them all at once at the end (kiln/transaction.py), so a failure or an
-interrupt leaves parameters and state either as they were or fully updated.
+with kernels from the dialects: the fused ATen kernel (`_fused_adamw_`, `_fused_adam_`, `_fused_sgd_`)
+where it accepts the tensors, and a reference kernel that follows `torch.optim`'s single-tensor code
+otherwise. Parameters and states stay in their own dtype (fp32 master weights). The numeric
+hyper-parameters (lr, betas, eps, weight decay, momentum, dampening) are *runtime scalar inputs* of the
+program, one set per parameter group, read at every call: schedules work by setting `optimizer.lr` (or a
+torch optimizer's `param_groups`, kiln/torch_optim.py) and never recompile; only structural choices
+(nesterov, clipping, which parameters form a group) are baked into the code. No kernel writes while the
+step runs: each stages its writes, and the step commits them all at once at the end
+(kiln/transaction.py), so a failure or an interrupt leaves parameters and state either as they were or
+fully updated.
 """
 from __future__ import annotations
 
@@ -33,16 +37,21 @@ def _skip(found_inf) -> bool:
     return found_inf is not None and bool(found_inf.item())
 
 
-def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, found_inf=None):
-    """The reference: the same arithmetic as torch.optim's single-tensor AdamW, out of place."""
+def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, found_inf=None,
+                 decoupled=True):
+    """The reference: the same arithmetic as torch.optim's single-tensor AdamW (`decoupled`) or Adam (weight
+    decay added to the gradient), out of place."""
     if _skip(found_inf):
         return
     t = step.item() + 1
+    if not decoupled and weight_decay:
+        grad = grad.add(param, alpha=weight_decay)
     new_avg = exp_avg.lerp(grad, 1 - beta1)
     new_sq = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_c1, bias_c2 = 1 - beta1 ** t, 1 - beta2 ** t
     denom = (new_sq.sqrt() / math.sqrt(bias_c2)).add_(eps)
-    new_param = param.mul(1 - lr * weight_decay).addcdiv_(new_avg, denom, value=-lr / bias_c1)
+    new_param = param.mul(1 - lr * weight_decay) if decoupled else param.clone()
+    new_param.addcdiv_(new_avg, denom, value=-lr / bias_c1)
     stage(torch._foreach_copy_, [param, exp_avg, exp_avg_sq, step], [new_param, new_avg, new_sq, step + 1])
 
 
@@ -57,29 +66,35 @@ def same_layout(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def adamw_update_fused(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
-                       found_inf=None):
+                       found_inf=None, decoupled=True):
     adamw_update_multi([param], [grad], [exp_avg], [exp_avg_sq], [step], lr, beta1, beta2, eps, weight_decay,
-                       found_inf)
+                       found_inf, decoupled)
+
+
+def _fused_adam(decoupled: bool):
+    """ATen's fused multi-tensor kernel: AdamW's decoupled weight decay, or Adam's (added to the gradient)."""
+    return torch._fused_adamw_ if decoupled else torch._fused_adam_
 
 
 def adamw_update_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
-                       found_inf=None):
-    """The AdamW step of many parameters (same dtype and device) in one multi-tensor kernel, which reads
-    the incremented step counts; the counters themselves are written after it."""
+                       found_inf=None, decoupled=True):
+    """The AdamW (Adam) step of many parameters (same dtype and device) in one multi-tensor kernel, which
+    reads the incremented step counts; the counters themselves are written after it."""
     if _skip(found_inf):
         return
     new_steps = torch._foreach_add(steps, 1)
     grads = [same_layout(g, p) for g, p in zip(grads, params)]
-    stage_first(torch._fused_adamw_, params, grads, exp_avgs, exp_avg_sqs, [], new_steps, lr=lr, beta1=beta1,
+    stage_first(_fused_adam(decoupled), params, grads, exp_avgs, exp_avg_sqs, [], new_steps, lr=lr, beta1=beta1,
                 beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     stage(torch._foreach_copy_, steps, new_steps)
 
 
 def _sgd(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay):
-    """The SGD step out of place: (new parameter, state tensors to write, their new values)."""
+    """The SGD step out of place: (new parameter, state tensors to write, their new values). A torch.optim.SGD
+    group without momentum keeps no state (`momentum_buffer` and `step` None)."""
     d = grad.add(param, alpha=weight_decay) if weight_decay else grad
-    dst, src = [step], [step + 1]
-    if momentum:
+    dst, src = ([step], [step + 1]) if step is not None else ([], [])
+    if momentum and momentum_buffer is not None:
         buf = d.clone() if step.item() == 0 else momentum_buffer.mul(momentum).add_(d, alpha=1 - dampening)
         d = d.add(buf, alpha=momentum) if nesterov else buf
         dst.append(momentum_buffer)
@@ -98,12 +113,13 @@ def sgd_update(param, grad, momentum_buffer, step, lr, momentum, dampening, nest
 # ---- out-of-place updates (ZeRO) -------------------------------------------------------------------
 # A ZeRO rank updates its shard of the parameters, then the new shards are all-gathered to every rank
 # before the step commits: these return the new parameter values and stage only the state's writes.
-def adamw_update_out(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, found_inf=None):
+def adamw_update_out(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, found_inf=None,
+                     decoupled=True):
     """AdamW on copies (one fused kernel); returns the new parameter, stages the state's writes."""
     if _skip(found_inf):
         return (param,)
     new_p, new_avg, new_sq, new_step = param.clone(), exp_avg.clone(), exp_avg_sq.clone(), step + 1
-    torch._fused_adamw_([new_p], [same_layout(grad, param)], [new_avg], [new_sq], [], [new_step], lr=lr,
+    _fused_adam(decoupled)([new_p], [same_layout(grad, param)], [new_avg], [new_sq], [], [new_step], lr=lr,
                         beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     stage(torch._foreach_copy_, [exp_avg, exp_avg_sq, step], [new_avg, new_sq, new_step])
     return (new_p,)
@@ -132,7 +148,7 @@ def _no_outputs(args, kwargs):
 ADAMW = register(OpDef("kiln.adamw_update", (adamw_update,), None, Kind.OPTIMIZER, Cast.FP32,
                        differentiable=False, side_effects=True, infer=_no_outputs,
                        cost=lambda n: 10.0 * hint(n.args[0].meta.numel),
-                       doc="in-place AdamW step of one parameter and its state"))
+                       doc="in-place AdamW (or Adam) step of one parameter and its state"))
 ADAMW_MULTI = register(OpDef("kiln.adamw_update_multi", (adamw_update_multi,), None, Kind.OPTIMIZER, Cast.FP32,
                              differentiable=False, side_effects=True, infer=_no_outputs,
                              cost=lambda n: 10.0 * sum(hint(p.meta.numel) for p in n.args[0]),
@@ -176,9 +192,14 @@ class Optimizer:
     """Base: hyper-parameters, per-parameter state layout, and the graph code of one update.
 
     Hyper-parameters are plain attributes (`optimizer.lr = 1e-4` between steps works); `check()`
-    validates all of them (at construction, before every step and before a checkpoint is loaded)."""
+    validates all of them (at construction, before every step and before a checkpoint is loaded).
+    The numeric ones named in `scalar_keys` are runtime inputs of the program (`scalars()` gives their
+    values at each call); `structure()` is what the code bakes in (a change compiles another program).
+    A Kiln optimizer has one parameter group (0); torch.optim ones may have several (kiln/torch_optim.py).
+    """
 
     slots: tuple[str, ...] = ()
+    scalar_keys: tuple[str, ...] = ("lr",)
 
     def __init__(self, lr: float, max_grad_norm: float | None):
         self.lr = lr
@@ -190,15 +211,36 @@ class Optimizer:
         if self.max_grad_norm is not None:
             self.max_grad_norm = _number("max_grad_norm", self.max_grad_norm, low_open=True)
 
+    # ---- parameter groups and runtime scalars (one group here) ---------------------------------
+    def group_of(self, name: str) -> int | None:
+        """The parameter group whose hyper-parameters update parameter `name` (None: not updated)."""
+        return 0
+
+    def slots_of(self, group: int) -> tuple[str, ...]:
+        """The state slots of a parameter of `group`."""
+        return self.slots
+
+    def scalars(self) -> dict[str, float]:
+        """The runtime scalar inputs' values now, keyed `"<group>:<key>"` (graph inputs' `source`)."""
+        return {f"0:{k}": float(v) for k, v in zip(self.scalar_keys, self._scalar_values())}
+
+    def _scalar_values(self) -> tuple:
+        return (self.lr,)
+
+    def structure(self) -> tuple:
+        """What the generated code bakes in: part of a program's key (a change compiles another program)."""
+        return (type(self).__name__, self.max_grad_norm)
+
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def emit_update(self, b, param: Value, grad: Value, state: dict[str, Value], lr: Value,
-                    found_inf: Value | None = None) -> None:
+    def emit_update(self, b, param: Value, grad: Value, state: dict[str, Value], hyper: dict[str, Value],
+                    found_inf: Value | None = None, group: int = 0) -> None:
+        """The update of one parameter; `hyper` holds its group's runtime scalars by key."""
         raise NotImplementedError
 
-    def emit_update_out(self, b, param: Value, grad: Value, state: dict[str, Value], lr: Value,
-                        found_inf: Value | None = None) -> Value:
+    def emit_update_out(self, b, param: Value, grad: Value, state: dict[str, Value], hyper: dict[str, Value],
+                        found_inf: Value | None = None, group: int = 0) -> Value:
         """The update out of place (ZeRO shards): returns the new parameter value; only state is written."""
         raise NotImplementedError
 
@@ -210,10 +252,33 @@ class Optimizer:
         return f"{type(self).__name__}({args})"
 
 
+ADAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay")
+
+
+def emit_adam(b, param, grad, state, hyper, found_inf, decoupled: bool, out_of_place: bool):
+    """One Adam/AdamW update node; its hyper-parameters are the group's runtime scalars."""
+    args = (param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *(hyper[k] for k in ADAM_KEYS),
+            found_inf, decoupled)
+    if out_of_place:
+        return b.emit(ADAMW_OUT, args, {}, metas=[param.meta])[0]
+    b.emit(ADAMW, args, {}, metas=[])
+
+
+def emit_sgd(b, param, grad, state, hyper, found_inf, nesterov: bool, out_of_place: bool):
+    """One SGD update node (`state` may lack the momentum buffer and step: torch's SGD without momentum)."""
+    args = (param, grad, state.get("momentum_buffer"), state.get("step"), hyper["lr"], hyper["momentum"],
+            hyper["dampening"], nesterov, hyper["weight_decay"], found_inf)
+    if out_of_place:
+        return b.emit(SGD_OUT, args, {}, metas=[param.meta])[0]
+    b.emit(SGD_OP, args, {}, metas=[])
+
+
 class AdamW(Optimizer):
     """AdamW with bias correction and decoupled weight decay (as torch.optim.AdamW)."""
 
     slots = ("step", "exp_avg", "exp_avg_sq")
+    scalar_keys = ADAM_KEYS
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, max_grad_norm: float | None = None):
@@ -229,24 +294,25 @@ class AdamW(Optimizer):
         self.eps = _number("eps", self.eps)
         self.weight_decay = _number("weight_decay", self.weight_decay)
 
+    def _scalar_values(self):
+        return (self.lr, *self.betas, self.eps, self.weight_decay)
+
     def init_state(self, param):
         return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(param),
                 "exp_avg_sq": torch.zeros_like(param)}
 
-    def emit_update(self, b, param, grad, state, lr, found_inf=None):
-        b.emit(ADAMW, (param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, *self.betas,
-                       self.eps, self.weight_decay, found_inf), {}, metas=[])
+    def emit_update(self, b, param, grad, state, hyper, found_inf=None, group=0):
+        emit_adam(b, param, grad, state, hyper, found_inf, decoupled=True, out_of_place=False)
 
-    def emit_update_out(self, b, param, grad, state, lr, found_inf=None):
-        (new,) = b.emit(ADAMW_OUT, (param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr,
-                                    *self.betas, self.eps, self.weight_decay, found_inf), {}, metas=[param.meta])
-        return new
+    def emit_update_out(self, b, param, grad, state, hyper, found_inf=None, group=0):
+        return emit_adam(b, param, grad, state, hyper, found_inf, decoupled=True, out_of_place=True)
 
 
 class SGD(Optimizer):
     """SGD with momentum, dampening, nesterov and (coupled) weight decay (as torch.optim.SGD)."""
 
     slots = ("step", "momentum_buffer")
+    scalar_keys = SGD_KEYS
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, max_grad_norm: float | None = None):
@@ -264,17 +330,20 @@ class SGD(Optimizer):
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise KilnError("nesterov momentum requires momentum > 0 and dampening = 0")
 
+    def _scalar_values(self):
+        return (self.lr, self.momentum, self.dampening, self.weight_decay)
+
+    def structure(self):
+        return super().structure() + (self.nesterov,)
+
     def init_state(self, param):
         return {"step": torch.zeros((), dtype=torch.float32), "momentum_buffer": torch.zeros_like(param)}
 
-    def emit_update(self, b, param, grad, state, lr, found_inf=None):
-        b.emit(SGD_OP, (param, grad, state["momentum_buffer"], state["step"], lr, self.momentum, self.dampening,
-                        self.nesterov, self.weight_decay, found_inf), {}, metas=[])
+    def emit_update(self, b, param, grad, state, hyper, found_inf=None, group=0):
+        emit_sgd(b, param, grad, state, hyper, found_inf, self.nesterov, out_of_place=False)
 
-    def emit_update_out(self, b, param, grad, state, lr, found_inf=None):
-        (new,) = b.emit(SGD_OUT, (param, grad, state["momentum_buffer"], state["step"], lr, self.momentum,
-                                  self.dampening, self.nesterov, self.weight_decay, found_inf), {}, metas=[param.meta])
-        return new
+    def emit_update_out(self, b, param, grad, state, hyper, found_inf=None, group=0):
+        return emit_sgd(b, param, grad, state, hyper, found_inf, self.nesterov, out_of_place=True)
 
 
 def clip_by_global_norm(b, grads: list[Value], max_norm: float, total: Value | None = None) -> list[Value]:

@@ -107,15 +107,23 @@ def add_update(ctx: Context) -> int:
     if ctx.optimizer.max_grad_norm is not None and gs:
         gs = clip_by_global_norm(b, gs, ctx.optimizer.max_grad_norm,
                                  total=plan.grad_norm(b, gs) if plan is not None else None)
-    lr = g.add_input("lr", None, Role.SCALAR, "lr")
+    opt = ctx.optimizer
+    hypers: dict[int, dict[str, Value]] = {}       # per parameter group: its runtime scalars (lr, betas, ...)
     for u, grad in zip(updated, gs):
+        group = opt.group_of(u.state)
+        if group is None:                           # a torch optimizer that does not hold this parameter
+            log.info("kiln: parameter %s is in no parameter group of the optimizer; it is not updated", u.name)
+            continue
+        if group not in hypers:
+            hypers[group] = {k: g.add_input(f"g{group}_{k}", None, Role.SCALAR, f"{group}:{k}")
+                             for k in opt.scalar_keys}
         state = {slot: g.add_input(f"{u.param.name}__{slot}", _state_meta(u.param, slot), Role.STATE,
-                                   f"{u.state}:{slot}") for slot in ctx.optimizer.slots}
+                                   f"{u.state}:{slot}") for slot in opt.slots_of(group)}
         b.scope = f"optimizer:{u.name}"
         if u.out_of_place:
-            u.new = ctx.optimizer.emit_update_out(b, u.param, grad, state, lr, found_inf)
+            u.new = opt.emit_update_out(b, u.param, grad, state, hypers[group], found_inf, group)
         else:
-            ctx.optimizer.emit_update(b, u.param, grad, state, lr, found_inf)
+            opt.emit_update(b, u.param, grad, state, hypers[group], found_inf, group)
     if ctx.loss_scale is not None:
         b.scope = "optimizer:loss_scale"
         tracker = g.add_input("growth_tracker", _scalar_meta(torch.int32), Role.STATE, f"{AMP_STATE}:growth_tracker")

@@ -25,6 +25,8 @@ from kiln.runtime.codegen import generate
 from kiln.runtime.failures import describe_failure
 from kiln.runtime.programs import CacheInfo, Program, ProgramCache
 from kiln.runtime.parallel import Parallel
+from kiln.torch_optim import TorchOptimizer
+from kiln import torch_optim
 from kiln.transaction import step_transaction
 
 log = logging.getLogger("kiln")
@@ -75,9 +77,14 @@ class CompiledStep:
                  memory_budget: Any = None, parallel=None):
         if not isinstance(model, torch.nn.Module):
             raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(optimizer, torch.optim.Optimizer):     # its param_groups and state stay the truth
+            if parallel is not None:
+                raise KilnError("parallel= with a torch.optim optimizer is not supported yet (ZeRO shards Kiln's own "
+                                "state); use kiln.optim.AdamW(...) or kiln.optim.SGD(...) with kiln.DataParallel")
+            optimizer = TorchOptimizer(optimizer)
         if not isinstance(optimizer, Optimizer):
-            raise KilnError("optimizer must be a kiln.optim optimizer (kiln.optim.AdamW(...) or kiln.optim.SGD(...)), "
-                            f"got {type(optimizer).__name__}")
+            raise KilnError("optimizer must be torch.optim.AdamW/Adam/SGD or a kiln.optim optimizer "
+                            f"(kiln.optim.AdamW(...) or kiln.optim.SGD(...)), got {type(optimizer).__name__}")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.params = {}
         for name, p in model.named_parameters():
@@ -113,7 +120,8 @@ class CompiledStep:
                             amp, low, torch.backends.cpu.get_cpu_capability())
         # ---- data parallel: with ZeRO each rank keeps only its shards, made when the first program fixes them
         sharded = parallel is not None and getattr(parallel, "zero", 0) > 0
-        self.state: dict[str, dict[str, torch.Tensor]] = {} if sharded else {
+        # a torch optimizer's state is its own `state[p]`, looked up at every call (`_torch_state`)
+        self.state: dict[str, dict[str, torch.Tensor]] = {} if sharded or self._torch_opt else {
             n: optimizer.init_state(p) for n, p in self.params.items()}
         if self.amp is not None and self.amp.dtype == torch.float16:
             self.state[AMP_STATE] = {"scale": torch.tensor(float(init_loss_scale)),
@@ -137,17 +145,33 @@ class CompiledStep:
             finally:                        # an interrupt inside a no_grad block must not leave it off
                 torch.set_grad_enabled(grad_mode)
 
+    @property
+    def _torch_opt(self) -> bool:
+        return isinstance(self.optimizer, TorchOptimizer)
+
+    def _torch_state(self) -> list:
+        """A torch optimizer: this call's view of its groups and `state[p]` tensors (kiln/torch_optim.py);
+        returns the fresh state to install once the step has committed."""
+        self.optimizer.bind(self.model, self.params)
+        view, pending = self.optimizer.state_view()
+        if AMP_STATE in self.state:
+            view[AMP_STATE] = self.state[AMP_STATE]
+        self.state = view
+        return pending
+
     def _step(self, args, kwargs) -> torch.Tensor:
         self.optimizer.check()              # hyper-parameters set between steps are validated too
         self._follow_replaced_tensors()
+        pending = self._torch_state() if self._torch_opt else []
         kwargs = dict(sorted(kwargs.items()))
         leaves, spec = pytree.tree_flatten((args, kwargs))
         for x in leaves:
             _check_leaf(x)
         names = self.dialects or dialect_registry.enabled()
-        # hyper-parameters other than lr are baked into the generated code: changing one recompiles
-        hyper = tuple((k, v) for k, v in sorted(self.optimizer.hyperparameters().items()) if k != "lr")
-        base = (str(spec), tuple(shapes.leaf_kind(x) for x in leaves), self.model.training, names, hyper)
+        # numeric hyper-parameters are runtime inputs; what the code bakes in (groups, nesterov, clipping) is
+        # part of the key: changing it compiles another program
+        base = (str(spec), tuple(shapes.leaf_kind(x) for x in leaves), self.model.training, names,
+                self.optimizer.structure())
         sizes = shapes.sizes_of(leaves)
         tried: list[Program] = []
         # several programs may serve these sizes (value-dependent branches compile one variant per way they
@@ -160,8 +184,8 @@ class CompiledStep:
             tried.append(prog)
             self.last = prog
             self._last_leaves = leaves      # kiln.explain(step, profile=True) replays this batch
-            lr = self.optimizer.lr
-            inputs = [f(leaves, lr) for f in prog.fetch]
+            hyper = self.optimizer.scalars()
+            inputs = [f(leaves, hyper) for f in prog.fetch]
             try:
                 with torch.no_grad(), step_transaction() as txn:
                     loss = prog.fn(*inputs)
@@ -196,6 +220,8 @@ class CompiledStep:
                             "kernels run before any other write, so parameters and state are unchanged unless an "
                             "earlier fused group had already been applied. Check the optimizer's hyper-parameters, "
                             "or try kiln.compile(..., dialects=['aten'])") from e
+        if pending:
+            self.optimizer.install(pending)  # torch's lazily made state, now that an update wrote it
         prog.ran = True
         self.cache.used(prog)
         self.tuner.start()                  # online tuning: compilers start once a step has run
@@ -332,7 +358,8 @@ class CompiledStep:
         prog.memory = ctx.memory
         return prog
 
-    def _fetcher(self, v, constants) -> Callable[[list, float], Any]:
+    def _fetcher(self, v, constants) -> Callable[[list, dict], Any]:
+        """How a graph input is found at each call, from (the call's leaves, the optimizer's scalars now)."""
         if v.role in (Role.PARAM, Role.FROZEN, Role.BUFFER):
             source = v.source
             return lambda leaves, lr: self._tensors[source]
@@ -347,7 +374,8 @@ class CompiledStep:
             name = self._state_name(pname)
             return lambda leaves, lr: self.state[name][slot]
         if v.role is Role.SCALAR:
-            return lambda leaves, lr: lr
+            key = v.source
+            return lambda leaves, hyper: hyper[key]
         raise KilnError(f"graph input {v.name} has no role")
 
     def _state_name(self, pname: str) -> str:
@@ -437,7 +465,7 @@ class CompiledStep:
         if leaves is None:
             raise KilnError("nothing to replay: call the step once with a batch first")
         owned = (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.STATE)
-        inputs = [f(leaves, self.optimizer.lr) for f in prog.fetch]
+        inputs = [f(leaves, self.optimizer.scalars()) for f in prog.fetch]
         inputs = [x.detach().clone() if v.role in owned and isinstance(x, torch.Tensor) else x
                   for v, x in zip(prog.graph.inputs, inputs)]
         with _rng_untouched(), torch.no_grad():
@@ -453,6 +481,8 @@ class CompiledStep:
         if self.parallel is not None:
             with self._lock:
                 return self.parallel.state_dict(self, sharded)
+        if self._torch_opt:
+            return torch_optim.state_dict(self)
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, sd: dict) -> None:
@@ -462,4 +492,6 @@ class CompiledStep:
         with self._lock:
             if self.parallel is not None:
                 return self.parallel.load_state_dict(self, sd)
+            if self._torch_opt:
+                return torch_optim.load_state_dict(self, sd)
             checkpoint.load_state_dict(self, sd)
