@@ -29,7 +29,7 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer | torch.opt
             dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
             max_programs: int = 8, verify: bool = False, tuning: str | None = None,
             nonfinite: str = "raise", dynamic=None, fail_on_max_programs: bool = False,
-            memory_budget=None, parallel: "DataParallel | None" = None) -> "CompiledStep":
+            memory_budget=None, parallel: "DataParallel | None" = None, accumulate: int = 1) -> "CompiledStep":
     """Compile `model`'s training step.
 
     Args:
@@ -76,6 +76,11 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer | torch.opt
         parallel: `kiln.DataParallel(zero=0|1|2, bucket_mb=25)` to train on several processes (after
             `torch.distributed.init_process_group`): gradients averaged over the ranks by collectives inside
             the step, overlapping the backward; ZeRO-1/2 shard the optimizer state (and the gradients).
+        accumulate: gradient accumulation over N micro-batches: each call adds its micro-batch's gradient
+            of `loss / N` (as eager's `(loss / N).backward()`) to sums the step keeps, and every N-th call
+            also clips (if the optimizer clips) and updates with the summed gradient, then zeroes the sums.
+            Every call returns its micro-batch's unscaled loss; `step.accumulated` counts the micro-batches
+            summed so far, `step.reset_accumulation()` drops them. A failed call leaves the sums unchanged.
 
     Every step is all or nothing: the update (parameters, optimizer state, step counters, loss scale,
     buffers) is committed at once at the end, so an exception or a signal leaves all of it as it was
@@ -88,7 +93,7 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer | torch.opt
     return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
                         verify=verify, amp=amp, amp_overrides=amp_overrides, tuning=tuning,
                         nonfinite=nonfinite, dynamic=dynamic, fail_on_max_programs=fail_on_max_programs,
-                        memory_budget=memory_budget, parallel=parallel)
+                        memory_budget=memory_budget, parallel=parallel, accumulate=accumulate)
 
 
 def explain(step: "CompiledStep", file=None, profile: bool = False) -> str:

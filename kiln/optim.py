@@ -141,6 +141,16 @@ def loss_scale_update(scale, growth_tracker, found_inf, growth_factor, backoff_f
     stage(torch._foreach_copy_, [scale, growth_tracker], [new_scale, new_tracker])
 
 
+def accumulate_grads(sums, grads):
+    """Gradient accumulation's micro-step: the sums grow by this micro-batch's gradients at the commit."""
+    stage(torch._foreach_add_, list(sums), list(grads))
+
+
+def zero_accumulated(sums):
+    """After the cycle's update: the sums start again from zero (at the commit, with the update)."""
+    stage(torch._foreach_zero_, list(sums))
+
+
 def _no_outputs(args, kwargs):
     return []
 
@@ -157,6 +167,16 @@ SGD_OP = register(OpDef("kiln.sgd_update", (sgd_update,), None, Kind.OPTIMIZER, 
                         differentiable=False, side_effects=True, infer=_no_outputs,
                         cost=lambda n: 4.0 * hint(n.args[0].meta.numel),
                         doc="in-place SGD (momentum, nesterov, weight decay) step of one parameter"))
+
+
+ACCUMULATE = register(OpDef("kiln.accumulate_grads", (accumulate_grads,), None, Kind.OPTIMIZER, Cast.FP32,
+                            differentiable=False, side_effects=True, infer=_no_outputs,
+                            cost=lambda n: 1.0 * sum(hint(g.meta.numel) for g in n.args[1]),
+                            doc="gradient accumulation: add a micro-batch's gradients to the step's sums"))
+ZERO_ACCUMULATED = register(OpDef("kiln.zero_accumulated", (zero_accumulated,), None, Kind.OPTIMIZER, Cast.FP32,
+                                  differentiable=False, side_effects=True, infer=_no_outputs,
+                                  cost=lambda n: 1.0 * sum(hint(g.meta.numel) for g in n.args[0]),
+                                  doc="gradient accumulation: the sums back to zero after the update"))
 
 
 def _out_of_place(fn, per_element: float, what: str) -> OpDef:

@@ -101,6 +101,8 @@ def _register_optimizer_kernels() -> None:
     kernel(ATEN, optim.adamw_update, optim.adamw_update, name="reference")
     kernel(ATEN, optim.sgd_update, optim.sgd_update, name="reference")
     kernel(ATEN, optim.loss_scale_update, optim.loss_scale_update, name="amp")
+    kernel(ATEN, optim.accumulate_grads, optim.accumulate_grads, name="foreach")
+    kernel(ATEN, optim.zero_accumulated, optim.zero_accumulated, name="foreach")
     from kiln import guards
     kernel(ATEN, guards.check_finite, guards.check_finite, name="guard")
     kernel(ATEN, guards.branch_guard, guards.branch_guard, name="branch_guard")

@@ -19,7 +19,7 @@ from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
-from kiln.passes.pipeline import AFTER_TUNING, AMP_STATE, Context, run_pipeline
+from kiln.passes.pipeline import ACCUM_STATE, AFTER_TUNING, AMP_STATE, Context, run_pipeline
 from kiln.runtime import checkpoint, memory, shapes
 from kiln.runtime.codegen import generate
 from kiln.runtime.failures import describe_failure
@@ -74,7 +74,7 @@ class CompiledStep:
                  dialects=None, max_programs: int = 8, verify: bool = False, amp: str | None = None,
                  amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16, tuning: str | None = None,
                  nonfinite: str = "raise", dynamic: Any = None, fail_on_max_programs: bool = False,
-                 memory_budget: Any = None, parallel=None):
+                 memory_budget: Any = None, parallel=None, accumulate: int = 1):
         if not isinstance(model, torch.nn.Module):
             raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
         if isinstance(optimizer, torch.optim.Optimizer):     # its param_groups and state stay the truth
@@ -126,6 +126,20 @@ class CompiledStep:
         if self.amp is not None and self.amp.dtype == torch.float16:
             self.state[AMP_STATE] = {"scale": torch.tensor(float(init_loss_scale)),
                                      "growth_tracker": torch.zeros((), dtype=torch.int32)}
+        # ---- gradient accumulation: persistent gradient sums, an update every `accumulate` calls
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+            raise KilnError(f"accumulate must be a positive int (micro-batches per update), got {accumulate!r}")
+        if accumulate > 1 and parallel is not None:
+            raise KilnError("accumulate= with parallel= is not supported yet; accumulate in the data loader "
+                            "(larger per-rank batches) or train without parallel=")
+        if accumulate > 1 and self.amp is not None and self.amp.dtype == torch.float16:
+            raise KilnError("accumulate= with amp='fp16' (dynamic loss scaling) is not supported yet; use amp='bf16'")
+        self.accumulate = accumulate
+        self.accumulated = 0                  # micro-batches in the gradient sums now (0 .. accumulate - 1)
+        self.grad_sums: dict[str, torch.Tensor] = {
+            n: torch.zeros_like(p, memory_format=torch.preserve_format) for n, p in self.params.items()
+        } if accumulate > 1 else {}
+        self._update_now = True               # whether the program being compiled runs the update
         self.last: Program | None = None
         self._lock = threading.RLock()        # calls (and compiles) on one step run one at a time
         self._tensors = self._module_tensors()
@@ -172,6 +186,9 @@ class CompiledStep:
         # part of the key: changing it compiles another program
         base = (str(spec), tuple(shapes.leaf_kind(x) for x in leaves), self.model.training, names,
                 self.optimizer.structure())
+        if self.accumulate > 1:             # micro-steps and the cycle's last (update) step: two programs
+            self._update_now = self.accumulated == self.accumulate - 1
+            base += (("accumulate", self.accumulate, self._update_now),)
         sizes = shapes.sizes_of(leaves)
         tried: list[Program] = []
         # several programs may serve these sizes (value-dependent branches compile one variant per way they
@@ -222,6 +239,8 @@ class CompiledStep:
                             "or try kiln.compile(..., dialects=['aten'])") from e
         if pending:
             self.optimizer.install(pending)  # torch's lazily made state, now that an update wrote it
+        if self.accumulate > 1:
+            self.accumulated = 0 if self._update_now else self.accumulated + 1
         prog.ran = True
         self.cache.used(prog)
         self.tuner.start()                  # online tuning: compilers start once a step has run
@@ -333,7 +352,8 @@ class CompiledStep:
             guards_before = len(env.guards) if env is not None else 0
             ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
                                        nonfinite=self.nonfinite, memory_budget=self.memory_budget,
-                                       parallel=self.parallel))
+                                       parallel=self.parallel, accumulate=self.accumulate,
+                                       update=self._update_now))
             t1 = time.perf_counter()        # the passes asked; the tuner compiles, measures, prepares workers
             mark = self.tuner.mark()
             self.tuner.realize(ctx)
@@ -369,6 +389,9 @@ class CompiledStep:
         if v.role is Role.INPUT:
             i = int(v.source)
             return lambda leaves, lr: leaves[i]
+        if v.role is Role.STATE and v.source.startswith(ACCUM_STATE + ":"):
+            name = self._param_name(v.source[len(ACCUM_STATE) + 1:])
+            return lambda leaves, hyper: self.grad_sums[name]
         if v.role is Role.STATE:
             pname, slot = v.source.rsplit(":", 1)
             name = self._state_name(pname)
@@ -377,6 +400,21 @@ class CompiledStep:
             key = v.source
             return lambda leaves, hyper: hyper[key]
         raise KilnError(f"graph input {v.name} has no role")
+
+    def _param_name(self, pname: str) -> str:
+        """The trainable parameter's own name (tied weights have several)."""
+        if pname in self.params:
+            return pname
+        target = dict(self.model.named_parameters(remove_duplicate=False))[pname]
+        return next(n for n, p in self.params.items() if p is target)
+
+    def reset_accumulation(self) -> None:
+        """Gradient accumulation: drop the micro-batches summed so far (the next call starts a new cycle)."""
+        with self._lock:
+            with torch.no_grad():
+                for t in self.grad_sums.values():
+                    t.zero_()
+            self.accumulated = 0
 
     def _state_name(self, pname: str) -> str:
         """The parameter name under which optimizer state is kept (tied weights share one entry)."""
