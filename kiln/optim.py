@@ -15,6 +15,8 @@ fully updated.
 """
 from __future__ import annotations
 
+import copy
+import fnmatch
 import math
 
 import torch
@@ -215,25 +217,84 @@ class Optimizer:
     validates all of them (at construction, before every step and before a checkpoint is loaded).
     The numeric ones named in `scalar_keys` are runtime inputs of the program (`scalars()` gives their
     values at each call); `structure()` is what the code bakes in (a change compiles another program).
-    A Kiln optimizer has one parameter group (0); torch.optim ones may have several (kiln/torch_optim.py).
+
+    Parameter groups: `groups=[{"params": "*.bias", "weight_decay": 0.0}, {"params": ["*norm*"], "lr": 1e-4}]`.
+    Each group names parameters by `fnmatch` patterns on their names (`model.named_parameters()`); the
+    first group that matches a parameter gives it its overrides of the optimizer's numeric hyper-parameters
+    (`group_keys`); parameters no group matches use the optimizer's own values (group 0; group i + 1 is
+    `groups[i]`). Overrides may change between steps (`opt.groups[0]["lr"] = ...`) without recompiling;
+    the patterns are baked in. A pattern that matches no parameter is an error at the first step.
     """
 
     slots: tuple[str, ...] = ()
     scalar_keys: tuple[str, ...] = ("lr",)
+    group_keys: tuple[str, ...] = ("lr",)     # what a group may override (the attributes behind scalar_keys)
 
-    def __init__(self, lr: float, max_grad_norm: float | None):
+    def __init__(self, lr: float, max_grad_norm: float | None, groups: list[dict] | None = None):
         self.lr = lr
         self.max_grad_norm = max_grad_norm
+        self.groups = list(groups) if groups is not None else []
+        self._bound: tuple | None = None
 
     def check(self) -> None:
         """Validate every hyper-parameter, normalizing types; a KilnError names the first bad one."""
+        self._check_own()
+        if not isinstance(self.groups, (list, tuple)):
+            raise KilnError(f"groups must be a list of dicts, got {type(self.groups).__name__}")
+        self.groups = [self._checked_group(i, g) for i, g in enumerate(self.groups)]
+
+    def _check_own(self) -> None:
+        """Validate the optimizer's own (group 0) hyper-parameters; subclasses extend it."""
         self.lr = _number("lr", self.lr)
         if self.max_grad_norm is not None:
             self.max_grad_norm = _number("max_grad_norm", self.max_grad_norm, low_open=True)
 
-    # ---- parameter groups and runtime scalars (one group here) ---------------------------------
+    def _checked_group(self, i: int, g) -> dict:
+        if not isinstance(g, dict) or "params" not in g:
+            raise KilnError(f"groups[{i}] must be a dict with 'params' (a name pattern or a list of them), got {g!r}")
+        pats = g["params"]
+        pats = [pats] if isinstance(pats, str) else pats
+        if not (isinstance(pats, (list, tuple)) and pats and all(isinstance(x, str) for x in pats)):
+            raise KilnError(f"groups[{i}]['params'] must be a name pattern or a non-empty list of them, got {pats!r}")
+        extra = sorted(set(g) - {"params", *self.group_keys})
+        if extra:
+            raise KilnError(f"groups[{i}] sets {extra}; a group may set {list(self.group_keys)}")
+        try:
+            probe = self._in_group({k: v for k, v in g.items() if k != "params"})
+            probe._check_own()
+        except KilnError as e:
+            raise KilnError(f"groups[{i}]: {e}") from None
+        return {"params": list(pats), **{k: getattr(probe, k) for k in g if k != "params"}}
+
+    def _in_group(self, overrides: dict) -> "Optimizer":
+        """A copy with one group's overrides (and no groups): its hyper-parameters are the group's."""
+        probe = copy.copy(self)
+        probe.groups = []
+        for k, v in overrides.items():
+            setattr(probe, k, tuple(v) if isinstance(v, list) else v)
+        return probe
+
+    # ---- parameter groups and runtime scalars ---------------------------------------------------
+    def bind(self, model, trainable: dict) -> None:
+        """At each call: check that every group's patterns match some parameter (once per model and groups)."""
+        names = tuple(n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad)
+        key = (names, self._patterns())
+        if key == self._bound:
+            return
+        for i, pats in enumerate(key[1]):
+            if not any(fnmatch.fnmatchcase(n, pat) for n in names for pat in pats):
+                raise KilnError(f"{type(self).__name__} groups[{i}]['params'] = {list(pats)} matches no trainable "
+                                f"parameter of {type(model).__name__} (names look like {list(names[:3])})")
+        self._bound = key
+
+    def _patterns(self) -> tuple:
+        return tuple(tuple(g["params"]) for g in self.groups)
+
     def group_of(self, name: str) -> int | None:
         """The parameter group whose hyper-parameters update parameter `name` (None: not updated)."""
+        for i, pats in enumerate(self._patterns()):
+            if any(fnmatch.fnmatchcase(name, pat) for pat in pats):
+                return i + 1
         return 0
 
     def slots_of(self, group: int) -> tuple[str, ...]:
@@ -242,14 +303,18 @@ class Optimizer:
 
     def scalars(self) -> dict[str, float]:
         """The runtime scalar inputs' values now, keyed `"<group>:<key>"` (graph inputs' `source`)."""
-        return {f"0:{k}": float(v) for k, v in zip(self.scalar_keys, self._scalar_values())}
+        out = {f"0:{k}": float(v) for k, v in zip(self.scalar_keys, self._scalar_values())}
+        for i, g in enumerate(self.groups):
+            values = self._in_group({k: v for k, v in g.items() if k != "params"})._scalar_values()
+            out.update({f"{i + 1}:{k}": float(v) for k, v in zip(self.scalar_keys, values)})
+        return out
 
     def _scalar_values(self) -> tuple:
         return (self.lr,)
 
     def structure(self) -> tuple:
         """What the generated code bakes in: part of a program's key (a change compiles another program)."""
-        return (type(self).__name__, self.max_grad_norm)
+        return (type(self).__name__, self.max_grad_norm, self._patterns())
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -265,7 +330,7 @@ class Optimizer:
         raise NotImplementedError
 
     def hyperparameters(self) -> dict:
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return {k: copy.deepcopy(v) if k == "groups" else v for k, v in vars(self).items() if not k.startswith("_")}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
@@ -299,15 +364,16 @@ class AdamW(Optimizer):
 
     slots = ("step", "exp_avg", "exp_avg_sq")
     scalar_keys = ADAM_KEYS
+    group_keys = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, max_grad_norm: float | None = None):
-        super().__init__(lr, max_grad_norm)
+                 weight_decay: float = 0.01, max_grad_norm: float | None = None, groups: list[dict] | None = None):
+        super().__init__(lr, max_grad_norm, groups)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.check()
 
-    def check(self):
-        super().check()
+    def _check_own(self):
+        super()._check_own()
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
             raise KilnError(f"betas must be a pair of numbers in [0, 1), got {self.betas!r}")
         self.betas = tuple(_number(f"betas[{i}]", b, high=1.0, high_open=True) for i, b in enumerate(self.betas))
@@ -333,15 +399,16 @@ class SGD(Optimizer):
 
     slots = ("step", "momentum_buffer")
     scalar_keys = SGD_KEYS
+    group_keys = ("lr", "momentum", "dampening", "weight_decay")
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, max_grad_norm: float | None = None):
-        super().__init__(lr, max_grad_norm)
+                 weight_decay: float = 0.0, max_grad_norm: float | None = None, groups: list[dict] | None = None):
+        super().__init__(lr, max_grad_norm, groups)
         self.momentum, self.dampening, self.nesterov, self.weight_decay = momentum, dampening, nesterov, weight_decay
         self.check()
 
-    def check(self):
-        super().check()
+    def _check_own(self):
+        super()._check_own()
         self.momentum = _number("momentum", self.momentum)
         self.dampening = _number("dampening", self.dampening, high=1.0)
         self.weight_decay = _number("weight_decay", self.weight_decay)

@@ -63,6 +63,7 @@ class TorchOptimizer(Optimizer):
         self._groups: dict[str, int] = {}     # canonical trainable parameter name -> group index (bind)
         self._alias: dict[str, str] = {}      # every name of a trainable parameter -> its canonical name
         self._params: dict[str, torch.Tensor] = {}
+        self.groups = []                      # kiln.optim's name-pattern groups: torch's param_groups instead
         self.check()
 
     # ---- hyper-parameters, read from param_groups at every call --------------------------------

@@ -85,6 +85,9 @@ class CompiledStep:
         if not isinstance(optimizer, Optimizer):
             raise KilnError("optimizer must be torch.optim.AdamW/Adam/SGD or a kiln.optim optimizer "
                             f"(kiln.optim.AdamW(...) or kiln.optim.SGD(...)), got {type(optimizer).__name__}")
+        if parallel is not None and optimizer.groups:
+            raise KilnError("parallel= with parameter groups (groups=) is not supported yet: ZeRO shards mix the "
+                            "parameters of several groups")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.params = {}
         for name, p in model.named_parameters():
@@ -166,7 +169,6 @@ class CompiledStep:
     def _torch_state(self) -> list:
         """A torch optimizer: this call's view of its groups and `state[p]` tensors (kiln/torch_optim.py);
         returns the fresh state to install once the step has committed."""
-        self.optimizer.bind(self.model, self.params)
         view, pending = self.optimizer.state_view()
         if AMP_STATE in self.state:
             view[AMP_STATE] = self.state[AMP_STATE]
@@ -176,6 +178,7 @@ class CompiledStep:
     def _step(self, args, kwargs) -> torch.Tensor:
         self.optimizer.check()              # hyper-parameters set between steps are validated too
         self._follow_replaced_tensors()
+        self.optimizer.bind(self.model, self.params)    # parameter groups -> the model's parameters
         pending = self._torch_state() if self._torch_opt else []
         kwargs = dict(sorted(kwargs.items()))
         leaves, spec = pytree.tree_flatten((args, kwargs))

@@ -244,3 +244,30 @@ def test_unsupported_optimizers_and_options_are_refused():
         kiln.compile(model, optimizer=stranger, loss_fn=ce)(*batch(0))
     with pytest.raises(kiln.KilnError, match="torch_optimizer"):
         step.load_state_dict({"state": {}})
+
+
+def test_kiln_optim_groups_by_name_pattern_match_torch_param_groups():
+    """kiln.optim's `groups=` (fnmatch patterns on parameter names) against the same split in torch's
+    param_groups; a group's lr changed between steps is a runtime input (no recompile)."""
+    torch.manual_seed(4)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    kopt = kiln.optim.AdamW(lr=1e-2, weight_decay=0.1, groups=[
+        {"params": ["*.bias", "norm.*"], "weight_decay": 0.0, "lr": 3e-3, "betas": (0.8, 0.95)}])
+    ref_opt = torch.optim.AdamW(two_groups(ref, betas=(0.8, 0.95)), lr=1e-2)
+    step = kiln.compile(model, optimizer=kopt, loss_fn=ce)
+    for i in range(10):
+        if i == 5:
+            kopt.groups[0]["lr"] = ref_opt.param_groups[1]["lr"] = 1e-3
+        step(*batch(i))
+        eager_step(ref, ref_opt, *batch(i))
+    assert len(step.programs) == 1
+    assert_params_close(model, ref)
+    saved = step.state_dict()                       # the groups travel with the checkpoint
+    assert saved["hyperparameters"]["groups"][0]["lr"] == 1e-3
+    with pytest.raises(kiln.KilnError, match="matches no trainable parameter"):
+        kiln.compile(MLP(), optimizer=kiln.optim.SGD(lr=0.1, groups=[{"params": "encoder.*"}]), loss_fn=ce)(*batch(0))
+    with pytest.raises(kiln.KilnError, match="groups\\[0\\] sets \\['nesterov'\\]"):
+        kiln.optim.SGD(lr=0.1, momentum=0.9, groups=[{"params": "*", "nesterov": True}])
+    with pytest.raises(kiln.KilnError, match="groups\\[0\\]: lr"):
+        kiln.optim.SGD(lr=0.1, groups=[{"params": "*", "lr": -1.0}])
