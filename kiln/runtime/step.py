@@ -506,7 +506,8 @@ class CompiledStep:
         if leaves is None:
             raise KilnError("nothing to replay: call the step once with a batch first")
         owned = (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.STATE)
-        inputs = [f(leaves, self.optimizer.scalars()) for f in prog.fetch]
+        hyper = self.optimizer.scalars()
+        inputs = [f(leaves, hyper) for f in prog.fetch]
         inputs = [x.detach().clone() if v.role in owned and isinstance(x, torch.Tensor) else x
                   for v, x in zip(prog.graph.inputs, inputs)]
         with _rng_untouched(), torch.no_grad():
@@ -516,7 +517,8 @@ class CompiledStep:
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self, sharded: bool = False) -> dict | None:
-        """Optimizer state (per parameter name) and hyper-parameters; tensors are copies. Data parallel: the
+        """Optimizer state (per parameter name) and hyper-parameters; tensors are copies. With a torch.optim
+        optimizer: `{"torch_optimizer": optimizer.state_dict()}` (torch's format, copies). Data parallel: the
         whole state on rank 0 and None on the other ranks (with ZeRO every rank must call it: the shards
         are gathered); `sharded=True`: this rank's part, see kiln/runtime/parallel.py."""
         if self.parallel is not None:
@@ -529,6 +531,8 @@ class CompiledStep:
     def load_state_dict(self, sd: dict) -> None:
         """Load what `state_dict()` returned. Every key, slot, tensor shape/dtype/device and hyper-parameter
         is checked first; anything wrong refuses the whole checkpoint with a KilnError (nothing applied).
+        With a torch.optim optimizer `{"torch_optimizer": sd}` goes through its own `load_state_dict` (an
+        eager run's state loads too), checked against the model, restored on any error.
         Data parallel: a whole state loads on any number of ranks (each cuts its shards)."""
         with self._lock:
             if self.parallel is not None:
