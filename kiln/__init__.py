@@ -29,7 +29,8 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer | torch.opt
             dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
             max_programs: int = 8, verify: bool = False, tuning: str | None = None,
             nonfinite: str = "raise", dynamic=None, fail_on_max_programs: bool = False,
-            memory_budget=None, parallel: "DataParallel | None" = None, accumulate: int = 1) -> "CompiledStep":
+            memory_budget=None, parallel: "DataParallel | None" = None, accumulate: int = 1,
+            max_grad_norm: float | None = None) -> "CompiledStep":
     """Compile `model`'s training step.
 
     Args:
@@ -81,6 +82,9 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer | torch.opt
             also clips (if the optimizer clips) and updates with the summed gradient, then zeroes the sums.
             Every call returns its micro-batch's unscaled loss; `step.accumulated` counts the micro-batches
             summed so far, `step.reset_accumulation()` drops them. A failed call leaves the sums unchanged.
+        max_grad_norm: with a torch.optim optimizer, clip the gradients' global norm inside the step, as eager's
+            `torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)` before `optimizer.step()` (on
+            the summed gradient with `accumulate`). kiln.optim optimizers take it as their own argument.
 
     Every step is all or nothing: the update (parameters, optimizer state, step counters, loss scale,
     buffers) is committed at once at the end, so an exception or a signal leaves all of it as it was
@@ -93,7 +97,8 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer | torch.opt
     return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
                         verify=verify, amp=amp, amp_overrides=amp_overrides, tuning=tuning,
                         nonfinite=nonfinite, dynamic=dynamic, fail_on_max_programs=fail_on_max_programs,
-                        memory_budget=memory_budget, parallel=parallel, accumulate=accumulate)
+                        memory_budget=memory_budget, parallel=parallel, accumulate=accumulate,
+                        max_grad_norm=max_grad_norm)
 
 
 def explain(step: "CompiledStep", file=None, profile: bool = False) -> str:

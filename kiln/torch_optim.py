@@ -50,15 +50,17 @@ def _qualname(opt) -> str:
 class TorchOptimizer(Optimizer):
     """A `torch.optim` optimizer as a Kiln optimizer (see the module docstring). `torch` is the wrapped one."""
 
-    max_grad_norm = None          # torch optimizers do not clip: eager clips with clip_grad_norm_ outside
-
-    def __init__(self, opt: torch.optim.Optimizer):
+    def __init__(self, opt: torch.optim.Optimizer, max_grad_norm: float | None = None):
         kind = _KINDS.get(type(opt))
         if kind is None:
             raise KilnError(f"kiln.compile accepts torch.optim.AdamW, torch.optim.Adam and torch.optim.SGD, got "
                             f"{_qualname(opt)} (Kiln compiles the update itself, so it must know its math; a "
                             "subclass may change it). Use one of those, or kiln.optim.AdamW / kiln.optim.SGD")
         self.torch, self.kind = opt, kind
+        # torch optimizers do not clip: eager calls clip_grad_norm_(params, max_norm) before opt.step(), which
+        # kiln.compile(..., max_grad_norm=) puts into the step (over every gradient, as that call over
+        # model.parameters())
+        self.max_grad_norm = max_grad_norm
         self.scalar_keys = ADAM_KEYS if kind == "adam" else SGD_KEYS
         self._groups: dict[str, int] = {}     # canonical trainable parameter name -> group index (bind)
         self._alias: dict[str, str] = {}      # every name of a trainable parameter -> its canonical name
@@ -69,6 +71,8 @@ class TorchOptimizer(Optimizer):
     # ---- hyper-parameters, read from param_groups at every call --------------------------------
     def check(self) -> None:
         name = type(self.torch).__name__
+        if self.max_grad_norm is not None:
+            self.max_grad_norm = _number("max_grad_norm", self.max_grad_norm, low_open=True)
         for i, g in enumerate(self.torch.param_groups):
             for opt, why in _REFUSED.items():
                 if g.get(opt):
@@ -137,7 +141,7 @@ class TorchOptimizer(Optimizer):
         for i, g in enumerate(self.torch.param_groups):
             flags = (self._decoupled(i),) if self.kind == "adam" else (bool(g["nesterov"]), g["momentum"] != 0)
             shape.append((tuple(members.get(i, ())), flags))
-        return ("torch", type(self.torch).__name__, tuple(shape))
+        return ("torch", type(self.torch).__name__, self.max_grad_norm, tuple(shape))
 
     def emit_update(self, b, param, grad, state, hyper, found_inf=None, group=0):
         if self.kind == "adam":

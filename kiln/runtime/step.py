@@ -74,14 +74,17 @@ class CompiledStep:
                  dialects=None, max_programs: int = 8, verify: bool = False, amp: str | None = None,
                  amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16, tuning: str | None = None,
                  nonfinite: str = "raise", dynamic: Any = None, fail_on_max_programs: bool = False,
-                 memory_budget: Any = None, parallel=None, accumulate: int = 1):
+                 memory_budget: Any = None, parallel=None, accumulate: int = 1, max_grad_norm: float | None = None):
         if not isinstance(model, torch.nn.Module):
             raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
         if isinstance(optimizer, torch.optim.Optimizer):     # its param_groups and state stay the truth
             if parallel is not None:
                 raise KilnError("parallel= with a torch.optim optimizer is not supported yet (ZeRO shards Kiln's own "
                                 "state); use kiln.optim.AdamW(...) or kiln.optim.SGD(...) with kiln.DataParallel")
-            optimizer = TorchOptimizer(optimizer)
+            optimizer = TorchOptimizer(optimizer, max_grad_norm)
+        elif max_grad_norm is not None:
+            raise KilnError("max_grad_norm= of kiln.compile is for torch.optim optimizers; a kiln.optim optimizer "
+                            "clips with its own argument: kiln.optim.AdamW(..., max_grad_norm=1.0)")
         if not isinstance(optimizer, Optimizer):
             raise KilnError("optimizer must be torch.optim.AdamW/Adam/SGD or a kiln.optim optimizer "
                             f"(kiln.optim.AdamW(...) or kiln.optim.SGD(...)), got {type(optimizer).__name__}")

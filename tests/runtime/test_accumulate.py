@@ -50,20 +50,20 @@ def same(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("which", ["kiln_adamw_clipped", "torch_sgd_nesterov"])
+@pytest.mark.parametrize("which", ["kiln_adamw_clipped", "torch_sgd_nesterov_clipped"])
 def test_accumulation_matches_eager(which):
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
-    max_norm = None
+    max_norm = 0.05                                  # small: the clipping acts on the summed gradient
     if which == "kiln_adamw_clipped":
-        max_norm = 0.05                              # small: the clipping acts on the summed gradient
         kopt = kiln.optim.AdamW(lr=1e-2, weight_decay=0.05, max_grad_norm=max_norm)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.05)
-    else:
+        step = kiln.compile(model, optimizer=kopt, loss_fn=ce, accumulate=N)
+    else:                                            # a torch optimizer: clipping is kiln.compile's option
         kopt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
-    step = kiln.compile(model, optimizer=kopt, loss_fn=ce, accumulate=N)
+        step = kiln.compile(model, optimizer=kopt, loss_fn=ce, accumulate=N, max_grad_norm=max_norm)
     for update in range(3):
         before = same(model)
         for micro in range(N):
@@ -109,3 +109,5 @@ def test_bad_accumulate_values_are_refused():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(kiln.KilnError, match="accumulate"):
             kiln.compile(Net(), optimizer=kiln.optim.SGD(lr=0.1), loss_fn=ce, accumulate=bad)
+    with pytest.raises(kiln.KilnError, match="max_grad_norm"):       # kiln.optim clips with its own argument
+        kiln.compile(Net(), optimizer=kiln.optim.SGD(lr=0.1), loss_fn=ce, max_grad_norm=1.0)
