@@ -19,8 +19,8 @@ weight decay) are accepted, with parameter groups. The torch optimizer stays the
   first-step rule), so the program gets a per-call counter, 0 without a buffer and 1 with one.
 Options that change the math and that Kiln does not implement (amsgrad, maximize, capturable,
 differentiable) are refused with a KilnError; `foreach` and `fused` only choose torch's kernels and are
-ignored (Kiln picks its own). Other optimizer classes (and subclasses, which may override `step`) are
-refused.
+ignored (Kiln picks its own). Other optimizer classes (and subclasses, which may override `step`), and
+optimizers with step hooks (which `optimizer.step()` would run and the compiled update cannot), are refused.
 """
 from __future__ import annotations
 
@@ -73,6 +73,13 @@ class TorchOptimizer(Optimizer):
         name = type(self.torch).__name__
         if self.max_grad_norm is not None:
             self.max_grad_norm = _number("max_grad_norm", self.max_grad_norm, low_open=True)
+        from torch.optim import optimizer as torch_optimizer
+        hooks = (getattr(self.torch, "_optimizer_step_pre_hooks", None), getattr(self.torch, "_optimizer_step_post_hooks",
+                 None), torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
+        if any(hooks):
+            raise KilnError(f"{name} has optimizer step hooks (register_step_pre_hook / register_step_post_hook, or "
+                            "global ones): Kiln's compiled update does not call optimizer.step(), so they would "
+                            "never run; remove them, or train this model eagerly")
         for i, g in enumerate(self.torch.param_groups):
             for opt, why in _REFUSED.items():
                 if g.get(opt):
@@ -194,6 +201,11 @@ class TorchOptimizer(Optimizer):
         for p, entries, counter in pending:
             if counter.item() > 0:
                 self.torch.state[p].update(entries)
+
+    def stepped(self) -> None:
+        """After a committed update: what torch's lr schedulers read to tell that `optimizer.step()` ran (their
+        wrapper of `step` sets it; Kiln never calls `step`), so `scheduler.step()` does not warn."""
+        self.torch._opt_called = True
 
     @staticmethod
     def _step_count(name: str, s: dict) -> torch.Tensor:

@@ -245,6 +245,8 @@ class CompiledStep:
                             "or try kiln.compile(..., dialects=['aten'])") from e
         if pending:
             self.optimizer.install(pending)  # torch's lazily made state, now that an update wrote it
+        if self._torch_opt and self._update_now:
+            self.optimizer.stepped()
         if self.accumulate > 1:
             self.accumulated = 0 if self._update_now else self.accumulated + 1
         prog.ran = True

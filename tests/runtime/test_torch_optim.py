@@ -9,6 +9,7 @@ changes of a tiny update, which stays well inside atol=1e-6 at these learning ra
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -74,7 +75,9 @@ def test_adamw_two_groups_with_warmup_matches_eager_and_never_recompiles():
     for i in range(20):
         x, y = batch(i)
         loss = step(x, y)
-        sched.step()
+        with warnings.catch_warnings():                # "lr_scheduler.step() before optimizer.step()": not here
+            warnings.simplefilter("error", UserWarning)
+            sched.step()
         ref_loss = eager_step(ref, ref_opt, x, y)
         ref_sched.step()
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -239,6 +242,10 @@ def test_unsupported_optimizers_and_options_are_refused():
     opt.param_groups[0]["maximize"] = True               # set later: refused at the next call
     with pytest.raises(kiln.KilnError, match="maximize"):
         step(*batch(0))
+    hooked = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooked.register_step_post_hook(lambda *a: None)
+    with pytest.raises(kiln.KilnError, match="step hooks"):
+        kiln.compile(model, optimizer=hooked, loss_fn=ce)
     stranger = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
     with pytest.raises(kiln.KilnError, match="not a parameter"):
         kiln.compile(model, optimizer=stranger, loss_fn=ce)(*batch(0))
