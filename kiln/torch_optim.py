@@ -65,6 +65,8 @@ class TorchOptimizer(Optimizer):
         self._groups: dict[str, int] = {}     # canonical trainable parameter name -> group index (bind)
         self._alias: dict[str, str] = {}      # every name of a trainable parameter -> its canonical name
         self._params: dict[str, torch.Tensor] = {}
+        self._bound: tuple | None = None      # what bind() mapped last (the groups' parameters, the model's)
+        self._view: dict[str, dict] = {}      # per parameter: torch's state tensors checked last, and their view
         self.groups = []                      # kiln.optim's name-pattern groups: torch's param_groups instead
         self.check()
 
@@ -108,7 +110,12 @@ class TorchOptimizer(Optimizer):
 
     # ---- which parameter is in which group --------------------------------------------------
     def bind(self, model: torch.nn.Module, trainable: dict[str, torch.Tensor]) -> None:
-        """Map the optimizer's parameters to the model's names (again at every call: groups may change)."""
+        """Map the optimizer's parameters to the model's names (checked at every call: groups may change; the
+        mapping is redone only when the groups' parameters or the model's tensors did change)."""
+        key = (id(trainable), tuple(id(p) for g in self.torch.param_groups for p in g["params"]),
+               tuple(len(g["params"]) for g in self.torch.param_groups))
+        if key == self._bound:
+            return
         canonical = {id(p): n for n, p in trainable.items()}
         every = dict(model.named_parameters(remove_duplicate=False))
         known = {id(p) for p in every.values()}
@@ -124,6 +131,7 @@ class TorchOptimizer(Optimizer):
                                     "model's parameters replaced after the optimizer was made?); build the "
                                     "optimizer from this model's parameters")
                 # a frozen parameter (requires_grad=False) gets no gradient: torch skips it, so does Kiln
+        self._bound, self._view = key, {}
 
     def group_of(self, name: str) -> int | None:
         return self._groups.get(self._alias.get(name, name))
@@ -162,13 +170,19 @@ class TorchOptimizer(Optimizer):
     # ---- state: the torch optimizer's own tensors -------------------------------------------
     def state_view(self) -> tuple[dict[str, dict[str, torch.Tensor]], list]:
         """Kiln's per-parameter state for this call: `optimizer.state[p]`'s tensors (checked to fit the
-        program: shape, dtype, device, layout), fresh ones where torch has none yet. Returns it and the
-        pending fresh entries for `install`."""
+        program: shape, dtype, device, layout; once per tensor), fresh ones where torch has none yet. Returns
+        it and the pending fresh entries for `install`."""
         view: dict[str, dict[str, torch.Tensor]] = {}
         pending = []
         for name, i in self._groups.items():
             p = self._params[name]
             s = self.torch.state.get(p) or {}
+            momentum = self.kind == "sgd" and self._group(i)["momentum"] != 0
+            seen = self._view.get(name)          # the very tensors checked at an earlier call: no check again
+            if (seen is not None and seen[0] == momentum and len(seen[1]) == len(s)
+                    and all(a is b for a, b in zip(seen[1], s.values()))):
+                view[name] = seen[2]
+                continue
             if self.kind == "adam":
                 if not s:
                     fresh = {"step": torch.zeros((), dtype=torch.float32),
@@ -183,17 +197,19 @@ class TorchOptimizer(Optimizer):
                                     f"Adam keeps {list(ADAM_SLOTS)}")
                 view[name] = {"step": self._step_count(name, s), "exp_avg": self._fit(name, p, s, "exp_avg"),
                               "exp_avg_sq": self._fit(name, p, s, "exp_avg_sq")}
-            elif self._group(i)["momentum"] != 0:
+            elif momentum:
                 if s.get("momentum_buffer") is None:
                     fresh = torch.zeros_like(p, memory_format=torch.preserve_format)
                     counter = torch.zeros((), dtype=torch.float32)
                     view[name] = {"momentum_buffer": fresh, "step": counter}
                     pending.append((p, {"momentum_buffer": fresh}, counter))
-                else:
-                    view[name] = {"momentum_buffer": self._fit(name, p, s, "momentum_buffer"),
-                                  "step": torch.ones((), dtype=torch.float32)}
+                    continue
+                # torch's SGD counts no steps: any nonzero count means "the buffer exists" to the update
+                view[name] = {"momentum_buffer": self._fit(name, p, s, "momentum_buffer"),
+                              "step": torch.ones((), dtype=torch.float32)}
             else:
                 view[name] = {}
+            self._view[name] = (momentum, tuple(s.values()), view[name])
         return view, pending
 
     def install(self, pending: list) -> None:

@@ -192,6 +192,34 @@ def test_state_dict_round_trips_to_and_from_eager():
     saved = step.state_dict()                        # the step's own checkpoint: torch's, with copies
     assert saved["torch_optimizer"]["state"][0]["step"].item() == 4
     assert saved["torch_optimizer"]["state"][0]["exp_avg"] is not opt.state[model.fc1.weight]["exp_avg"]
+    # a load into the optimizer of a step that has run: the next call reads the loaded tensors
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.copy_(q)
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    for i in range(8, 10):
+        step(*batch(i))
+        eager_step(ref, ref_opt, *batch(i))
+    assert_params_close(model, ref)
+    assert opt.state[model.fc1.weight]["step"].item() == 10
+
+
+def test_sgd_momentum_switched_on_later_starts_its_buffer_like_torch():
+    """momentum 0 keeps no state in torch; switched on, the first buffer is the gradient (dampening ignored)."""
+    torch.manual_seed(5)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, dampening=0.5) for m in (model, ref))
+    step = kiln.compile(model, optimizer=opt, loss_fn=ce)
+    for i in range(6):
+        if i == 3:
+            opt.param_groups[0]["momentum"] = ref_opt.param_groups[0]["momentum"] = 0.9
+        step(*batch(i))
+        eager_step(ref, ref_opt, *batch(i))
+        assert {id(p): set(s) for p, s in zip(ref.parameters(), (opt.state.get(p, {}) for p in model.parameters()))} \
+            == {id(q): set(ref_opt.state.get(q, {})) for q in ref.parameters()}
+    assert len(step.programs) == 2
+    assert_params_close(model, ref)
 
 
 def _snapshot(model, opt):
