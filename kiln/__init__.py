@@ -25,17 +25,21 @@ __all__ = ["compile", "explain", "dialects", "optim", "adopt", "DataParallel", "
 __version__ = "0.1.0"
 
 
-def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: Callable | None = None,
+def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer | torch.optim.Optimizer", loss_fn: Callable | None = None,
             dialects: list[str] | None = None, amp: str | None = None, amp_overrides: dict | None = None,
             max_programs: int = 8, verify: bool = False, tuning: str | None = None,
             nonfinite: str = "raise", dynamic=None, fail_on_max_programs: bool = False,
-            memory_budget=None, parallel: "DataParallel | None" = None) -> "CompiledStep":
+            memory_budget=None, parallel: "DataParallel | None" = None, accumulate: int = 1,
+            max_grad_norm: float | None = None) -> "CompiledStep":
     """Compile `model`'s training step.
 
     Args:
         model: any nn.Module. Without `loss_fn`, `model(*args, **kwargs)` must return the loss: a scalar
             tensor, a tuple/list led by it, or an object with `.loss` (Hugging Face ModelOutput).
-        optimizer: `kiln.optim.AdamW(...)` or `kiln.optim.SGD(...)`; its update runs inside the step.
+        optimizer: `kiln.optim.AdamW(...)` or `kiln.optim.SGD(...)`, or a `torch.optim.AdamW`, `Adam` or `SGD`
+            (with parameter groups; hyper-parameters read from its `param_groups` at every call, so lr
+            schedulers work; its `state` tensors are the ones the step updates). The update runs inside
+            the step.
         loss_fn: optional `loss_fn(model, *args, **kwargs) -> loss`.
         dialects: kernel providers in preference order (default: all, by priority); `aten` is always
             the fallback. See `kiln.dialects`.
@@ -74,6 +78,14 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: 
         parallel: `kiln.DataParallel(zero=0|1|2, bucket_mb=25)` to train on several processes (after
             `torch.distributed.init_process_group`): gradients averaged over the ranks by collectives inside
             the step, overlapping the backward; ZeRO-1/2 shard the optimizer state (and the gradients).
+        accumulate: gradient accumulation over N micro-batches: each call adds its micro-batch's gradient
+            of `loss / N` (as eager's `(loss / N).backward()`) to sums the step keeps, and every N-th call
+            also clips (if the optimizer clips) and updates with the summed gradient, then zeroes the sums.
+            Every call returns its micro-batch's unscaled loss; `step.accumulated` counts the micro-batches
+            summed so far, `step.reset_accumulation()` drops them. A failed call leaves the sums unchanged.
+        max_grad_norm: with a torch.optim optimizer, clip the gradients' global norm inside the step, as eager's
+            `torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)` before `optimizer.step()` (on
+            the summed gradient with `accumulate`). kiln.optim optimizers take it as their own argument.
 
     Every step is all or nothing: the update (parameters, optimizer state, step counters, loss scale,
     buffers) is committed at once at the end, so an exception or a signal leaves all of it as it was
@@ -86,7 +98,8 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer", loss_fn: 
     return CompiledStep(model, optimizer, loss_fn=loss_fn, dialects=dialects, max_programs=max_programs,
                         verify=verify, amp=amp, amp_overrides=amp_overrides, tuning=tuning,
                         nonfinite=nonfinite, dynamic=dynamic, fail_on_max_programs=fail_on_max_programs,
-                        memory_budget=memory_budget, parallel=parallel)
+                        memory_budget=memory_budget, parallel=parallel, accumulate=accumulate,
+                        max_grad_norm=max_grad_norm)
 
 
 def explain(step: "CompiledStep", file=None, profile: bool = False) -> str:

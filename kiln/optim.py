@@ -2,15 +2,21 @@
 
 Each optimizer emits, after the backward, optional global-norm gradient clipping (plain graph ops)
 and one in-place update node per parameter. Update nodes are Kiln ops (side effects, kind OPTIMIZER)
-with kernels from the dialects: the fused ATen kernel (`_fused_adamw_`, `_fused_sgd_`) where it
-accepts the tensors, and a reference kernel that follows `torch.optim`'s single-tensor code otherwise.
-Parameters and states stay in their own dtype (fp32 master weights); learning rate is read at every
-call, so schedules work by setting `optimizer.lr`. No kernel writes while the step runs: each stages its
-writes, and the step commits them all at once at the end (kiln/transaction.py), so a failure or an
-interrupt leaves parameters and state either as they were or fully updated.
+with kernels from the dialects: the fused ATen kernel (`_fused_adamw_`, `_fused_adam_`, `_fused_sgd_`)
+where it accepts the tensors, and a reference kernel that follows `torch.optim`'s single-tensor code
+otherwise. Parameters and states stay in their own dtype (fp32 master weights). The numeric
+hyper-parameters (lr, betas, eps, weight decay, momentum, dampening) are *runtime scalar inputs* of the
+program, one set per parameter group, read at every call: schedules work by setting `optimizer.lr` (or a
+torch optimizer's `param_groups`, kiln/torch_optim.py) and never recompile; only structural choices
+(nesterov, clipping, which parameters form a group) are baked into the code. No kernel writes while the
+step runs: each stages its writes, and the step commits them all at once at the end
+(kiln/transaction.py), so a failure or an interrupt leaves parameters and state either as they were or
+fully updated.
 """
 from __future__ import annotations
 
+import copy
+import fnmatch
 import math
 
 import torch
@@ -33,16 +39,21 @@ def _skip(found_inf) -> bool:
     return found_inf is not None and bool(found_inf.item())
 
 
-def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, found_inf=None):
-    """The reference: the same arithmetic as torch.optim's single-tensor AdamW, out of place."""
+def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, found_inf=None,
+                 decoupled=True):
+    """The reference: the same arithmetic as torch.optim's single-tensor AdamW (`decoupled`) or Adam (weight
+    decay added to the gradient), out of place."""
     if _skip(found_inf):
         return
     t = step.item() + 1
+    if not decoupled and weight_decay:
+        grad = grad.add(param, alpha=weight_decay)
     new_avg = exp_avg.lerp(grad, 1 - beta1)
     new_sq = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_c1, bias_c2 = 1 - beta1 ** t, 1 - beta2 ** t
     denom = (new_sq.sqrt() / math.sqrt(bias_c2)).add_(eps)
-    new_param = param.mul(1 - lr * weight_decay).addcdiv_(new_avg, denom, value=-lr / bias_c1)
+    new_param = param.mul(1 - lr * weight_decay) if decoupled else param.clone()
+    new_param.addcdiv_(new_avg, denom, value=-lr / bias_c1)
     stage(torch._foreach_copy_, [param, exp_avg, exp_avg_sq, step], [new_param, new_avg, new_sq, step + 1])
 
 
@@ -57,29 +68,35 @@ def same_layout(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def adamw_update_fused(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
-                       found_inf=None):
+                       found_inf=None, decoupled=True):
     adamw_update_multi([param], [grad], [exp_avg], [exp_avg_sq], [step], lr, beta1, beta2, eps, weight_decay,
-                       found_inf)
+                       found_inf, decoupled)
+
+
+def _fused_adam(decoupled: bool):
+    """ATen's fused multi-tensor kernel: AdamW's decoupled weight decay, or Adam's (added to the gradient)."""
+    return torch._fused_adamw_ if decoupled else torch._fused_adam_
 
 
 def adamw_update_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
-                       found_inf=None):
-    """The AdamW step of many parameters (same dtype and device) in one multi-tensor kernel, which reads
-    the incremented step counts; the counters themselves are written after it."""
+                       found_inf=None, decoupled=True):
+    """The AdamW (Adam) step of many parameters (same dtype and device) in one multi-tensor kernel, which
+    reads the incremented step counts; the counters themselves are written after it."""
     if _skip(found_inf):
         return
     new_steps = torch._foreach_add(steps, 1)
     grads = [same_layout(g, p) for g, p in zip(grads, params)]
-    stage_first(torch._fused_adamw_, params, grads, exp_avgs, exp_avg_sqs, [], new_steps, lr=lr, beta1=beta1,
+    stage_first(_fused_adam(decoupled), params, grads, exp_avgs, exp_avg_sqs, [], new_steps, lr=lr, beta1=beta1,
                 beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     stage(torch._foreach_copy_, steps, new_steps)
 
 
 def _sgd(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay):
-    """The SGD step out of place: (new parameter, state tensors to write, their new values)."""
+    """The SGD step out of place: (new parameter, state tensors to write, their new values). A torch.optim.SGD
+    group without momentum keeps no state (`momentum_buffer` and `step` None)."""
     d = grad.add(param, alpha=weight_decay) if weight_decay else grad
-    dst, src = [step], [step + 1]
-    if momentum:
+    dst, src = ([step], [step + 1]) if step is not None else ([], [])
+    if momentum and momentum_buffer is not None:
         buf = d.clone() if step.item() == 0 else momentum_buffer.mul(momentum).add_(d, alpha=1 - dampening)
         d = d.add(buf, alpha=momentum) if nesterov else buf
         dst.append(momentum_buffer)
@@ -98,12 +115,13 @@ def sgd_update(param, grad, momentum_buffer, step, lr, momentum, dampening, nest
 # ---- out-of-place updates (ZeRO) -------------------------------------------------------------------
 # A ZeRO rank updates its shard of the parameters, then the new shards are all-gathered to every rank
 # before the step commits: these return the new parameter values and stage only the state's writes.
-def adamw_update_out(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, found_inf=None):
+def adamw_update_out(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, found_inf=None,
+                     decoupled=True):
     """AdamW on copies (one fused kernel); returns the new parameter, stages the state's writes."""
     if _skip(found_inf):
         return (param,)
     new_p, new_avg, new_sq, new_step = param.clone(), exp_avg.clone(), exp_avg_sq.clone(), step + 1
-    torch._fused_adamw_([new_p], [same_layout(grad, param)], [new_avg], [new_sq], [], [new_step], lr=lr,
+    _fused_adam(decoupled)([new_p], [same_layout(grad, param)], [new_avg], [new_sq], [], [new_step], lr=lr,
                         beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     stage(torch._foreach_copy_, [exp_avg, exp_avg_sq, step], [new_avg, new_sq, new_step])
     return (new_p,)
@@ -125,6 +143,16 @@ def loss_scale_update(scale, growth_tracker, found_inf, growth_factor, backoff_f
     stage(torch._foreach_copy_, [scale, growth_tracker], [new_scale, new_tracker])
 
 
+def accumulate_grads(sums, grads):
+    """Gradient accumulation's micro-step: the sums grow by this micro-batch's gradients at the commit."""
+    stage(torch._foreach_add_, list(sums), list(grads))
+
+
+def zero_accumulated(sums):
+    """After the cycle's update: the sums start again from zero (at the commit, with the update)."""
+    stage(torch._foreach_zero_, list(sums))
+
+
 def _no_outputs(args, kwargs):
     return []
 
@@ -132,7 +160,7 @@ def _no_outputs(args, kwargs):
 ADAMW = register(OpDef("kiln.adamw_update", (adamw_update,), None, Kind.OPTIMIZER, Cast.FP32,
                        differentiable=False, side_effects=True, infer=_no_outputs,
                        cost=lambda n: 10.0 * hint(n.args[0].meta.numel),
-                       doc="in-place AdamW step of one parameter and its state"))
+                       doc="in-place AdamW (or Adam) step of one parameter and its state"))
 ADAMW_MULTI = register(OpDef("kiln.adamw_update_multi", (adamw_update_multi,), None, Kind.OPTIMIZER, Cast.FP32,
                              differentiable=False, side_effects=True, infer=_no_outputs,
                              cost=lambda n: 10.0 * sum(hint(p.meta.numel) for p in n.args[0]),
@@ -141,6 +169,16 @@ SGD_OP = register(OpDef("kiln.sgd_update", (sgd_update,), None, Kind.OPTIMIZER, 
                         differentiable=False, side_effects=True, infer=_no_outputs,
                         cost=lambda n: 4.0 * hint(n.args[0].meta.numel),
                         doc="in-place SGD (momentum, nesterov, weight decay) step of one parameter"))
+
+
+ACCUMULATE = register(OpDef("kiln.accumulate_grads", (accumulate_grads,), None, Kind.OPTIMIZER, Cast.FP32,
+                            differentiable=False, side_effects=True, infer=_no_outputs,
+                            cost=lambda n: 1.0 * sum(hint(g.meta.numel) for g in n.args[1]),
+                            doc="gradient accumulation: add a micro-batch's gradients to the step's sums"))
+ZERO_ACCUMULATED = register(OpDef("kiln.zero_accumulated", (zero_accumulated,), None, Kind.OPTIMIZER, Cast.FP32,
+                                  differentiable=False, side_effects=True, infer=_no_outputs,
+                                  cost=lambda n: 1.0 * sum(hint(g.meta.numel) for g in n.args[0]),
+                                  doc="gradient accumulation: the sums back to zero after the update"))
 
 
 def _out_of_place(fn, per_element: float, what: str) -> OpDef:
@@ -176,86 +214,201 @@ class Optimizer:
     """Base: hyper-parameters, per-parameter state layout, and the graph code of one update.
 
     Hyper-parameters are plain attributes (`optimizer.lr = 1e-4` between steps works); `check()`
-    validates all of them (at construction, before every step and before a checkpoint is loaded)."""
+    validates all of them (at construction, before every step and before a checkpoint is loaded).
+    The numeric ones named in `scalar_keys` are runtime inputs of the program (`scalars()` gives their
+    values at each call); `structure()` is what the code bakes in (a change compiles another program).
+
+    Parameter groups: `groups=[{"params": "*.bias", "weight_decay": 0.0}, {"params": ["*norm*"], "lr": 1e-4}]`.
+    Each group names parameters by `fnmatch` patterns on their names (`model.named_parameters()`); the
+    first group that matches a parameter gives it its overrides of the optimizer's numeric hyper-parameters
+    (`group_keys`); parameters no group matches use the optimizer's own values (group 0; group i + 1 is
+    `groups[i]`). Overrides may change between steps (`opt.groups[0]["lr"] = ...`) without recompiling;
+    the patterns are baked in. A pattern that matches no parameter is an error at the first step.
+    """
 
     slots: tuple[str, ...] = ()
+    scalar_keys: tuple[str, ...] = ("lr",)
+    group_keys: tuple[str, ...] = ("lr",)     # what a group may override (the attributes behind scalar_keys)
 
-    def __init__(self, lr: float, max_grad_norm: float | None):
+    def __init__(self, lr: float, max_grad_norm: float | None, groups: list[dict] | None = None):
         self.lr = lr
         self.max_grad_norm = max_grad_norm
+        self.groups = list(groups) if groups is not None else []
+        self._bound: tuple | None = None
 
     def check(self) -> None:
         """Validate every hyper-parameter, normalizing types; a KilnError names the first bad one."""
+        self._check_own()
+        if not isinstance(self.groups, (list, tuple)):
+            raise KilnError(f"groups must be a list of dicts, got {type(self.groups).__name__}")
+        self.groups = [self._checked_group(i, g) for i, g in enumerate(self.groups)]
+
+    def _check_own(self) -> None:
+        """Validate the optimizer's own (group 0) hyper-parameters; subclasses extend it."""
         self.lr = _number("lr", self.lr)
         if self.max_grad_norm is not None:
             self.max_grad_norm = _number("max_grad_norm", self.max_grad_norm, low_open=True)
 
+    def _checked_group(self, i: int, g) -> dict:
+        if not isinstance(g, dict) or "params" not in g:
+            raise KilnError(f"groups[{i}] must be a dict with 'params' (a name pattern or a list of them), got {g!r}")
+        pats = g["params"]
+        pats = [pats] if isinstance(pats, str) else pats
+        if not (isinstance(pats, (list, tuple)) and pats and all(isinstance(x, str) for x in pats)):
+            raise KilnError(f"groups[{i}]['params'] must be a name pattern or a non-empty list of them, got {pats!r}")
+        extra = sorted(set(g) - {"params", *self.group_keys})
+        if extra:
+            raise KilnError(f"groups[{i}] sets {extra}; a group may set {list(self.group_keys)}")
+        try:
+            probe = self._in_group({k: v for k, v in g.items() if k != "params"})
+            probe._check_own()
+        except KilnError as e:
+            raise KilnError(f"groups[{i}]: {e}") from None
+        return {"params": list(pats), **{k: getattr(probe, k) for k in g if k != "params"}}
+
+    def _in_group(self, overrides: dict) -> "Optimizer":
+        """A copy with one group's overrides (and no groups): its hyper-parameters are the group's."""
+        probe = copy.copy(self)
+        probe.groups = []
+        for k, v in overrides.items():
+            setattr(probe, k, tuple(v) if isinstance(v, list) else v)
+        return probe
+
+    # ---- parameter groups and runtime scalars ---------------------------------------------------
+    def bind(self, model, trainable: dict) -> None:
+        """At each call: check that every group's patterns match some parameter (once per model and groups)."""
+        names = tuple(n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad)
+        key = (names, self._patterns())
+        if key == self._bound:
+            return
+        for i, pats in enumerate(key[1]):
+            if not any(fnmatch.fnmatchcase(n, pat) for n in names for pat in pats):
+                raise KilnError(f"{type(self).__name__} groups[{i}]['params'] = {list(pats)} matches no trainable "
+                                f"parameter of {type(model).__name__} (names look like {list(names[:3])})")
+        self._bound = key
+
+    def _patterns(self) -> tuple:
+        return tuple(tuple(g["params"]) for g in self.groups)
+
+    def group_of(self, name: str) -> int | None:
+        """The parameter group whose hyper-parameters update parameter `name` (None: not updated)."""
+        for i, pats in enumerate(self._patterns()):
+            if any(fnmatch.fnmatchcase(name, pat) for pat in pats):
+                return i + 1
+        return 0
+
+    def slots_of(self, group: int) -> tuple[str, ...]:
+        """The state slots of a parameter of `group`."""
+        return self.slots
+
+    def scalars(self) -> dict[str, float]:
+        """The runtime scalar inputs' values now, keyed `"<group>:<key>"` (graph inputs' `source`)."""
+        out = {f"0:{k}": float(v) for k, v in zip(self.scalar_keys, self._scalar_values())}
+        for i, g in enumerate(self.groups):
+            values = self._in_group({k: v for k, v in g.items() if k != "params"})._scalar_values()
+            out.update({f"{i + 1}:{k}": float(v) for k, v in zip(self.scalar_keys, values)})
+        return out
+
+    def _scalar_values(self) -> tuple:
+        return (self.lr,)
+
+    def structure(self) -> tuple:
+        """What the generated code bakes in: part of a program's key (a change compiles another program)."""
+        return (type(self).__name__, self.max_grad_norm, self._patterns())
+
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def emit_update(self, b, param: Value, grad: Value, state: dict[str, Value], lr: Value,
-                    found_inf: Value | None = None) -> None:
+    def emit_update(self, b, param: Value, grad: Value, state: dict[str, Value], hyper: dict[str, Value],
+                    found_inf: Value | None = None, group: int = 0) -> None:
+        """The update of one parameter; `hyper` holds its group's runtime scalars by key."""
         raise NotImplementedError
 
-    def emit_update_out(self, b, param: Value, grad: Value, state: dict[str, Value], lr: Value,
-                        found_inf: Value | None = None) -> Value:
+    def emit_update_out(self, b, param: Value, grad: Value, state: dict[str, Value], hyper: dict[str, Value],
+                        found_inf: Value | None = None, group: int = 0) -> Value:
         """The update out of place (ZeRO shards): returns the new parameter value; only state is written."""
         raise NotImplementedError
 
     def hyperparameters(self) -> dict:
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return {k: copy.deepcopy(v) if k == "groups" else v for k, v in vars(self).items() if not k.startswith("_")}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
         return f"{type(self).__name__}({args})"
 
 
+ADAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay")
+
+
+def emit_adam(b, param, grad, state, hyper, found_inf, decoupled: bool, out_of_place: bool):
+    """One Adam/AdamW update node; its hyper-parameters are the group's runtime scalars."""
+    args = (param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *(hyper[k] for k in ADAM_KEYS),
+            found_inf, decoupled)
+    if out_of_place:
+        return b.emit(ADAMW_OUT, args, {}, metas=[param.meta])[0]
+    b.emit(ADAMW, args, {}, metas=[])
+
+
+def emit_sgd(b, param, grad, state, hyper, found_inf, nesterov: bool, out_of_place: bool):
+    """One SGD update node (`state` may lack the momentum buffer and step: torch's SGD without momentum)."""
+    args = (param, grad, state.get("momentum_buffer"), state.get("step"), hyper["lr"], hyper["momentum"],
+            hyper["dampening"], nesterov, hyper["weight_decay"], found_inf)
+    if out_of_place:
+        return b.emit(SGD_OUT, args, {}, metas=[param.meta])[0]
+    b.emit(SGD_OP, args, {}, metas=[])
+
+
 class AdamW(Optimizer):
     """AdamW with bias correction and decoupled weight decay (as torch.optim.AdamW)."""
 
     slots = ("step", "exp_avg", "exp_avg_sq")
+    scalar_keys = ADAM_KEYS
+    group_keys = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, max_grad_norm: float | None = None):
-        super().__init__(lr, max_grad_norm)
+                 weight_decay: float = 0.01, max_grad_norm: float | None = None, groups: list[dict] | None = None):
+        super().__init__(lr, max_grad_norm, groups)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.check()
 
-    def check(self):
-        super().check()
+    def _check_own(self):
+        super()._check_own()
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
             raise KilnError(f"betas must be a pair of numbers in [0, 1), got {self.betas!r}")
         self.betas = tuple(_number(f"betas[{i}]", b, high=1.0, high_open=True) for i, b in enumerate(self.betas))
         self.eps = _number("eps", self.eps)
         self.weight_decay = _number("weight_decay", self.weight_decay)
 
+    def _scalar_values(self):
+        return (self.lr, *self.betas, self.eps, self.weight_decay)
+
     def init_state(self, param):
         return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(param),
                 "exp_avg_sq": torch.zeros_like(param)}
 
-    def emit_update(self, b, param, grad, state, lr, found_inf=None):
-        b.emit(ADAMW, (param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, *self.betas,
-                       self.eps, self.weight_decay, found_inf), {}, metas=[])
+    def emit_update(self, b, param, grad, state, hyper, found_inf=None, group=0):
+        emit_adam(b, param, grad, state, hyper, found_inf, decoupled=True, out_of_place=False)
 
-    def emit_update_out(self, b, param, grad, state, lr, found_inf=None):
-        (new,) = b.emit(ADAMW_OUT, (param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr,
-                                    *self.betas, self.eps, self.weight_decay, found_inf), {}, metas=[param.meta])
-        return new
+    def emit_update_out(self, b, param, grad, state, hyper, found_inf=None, group=0):
+        return emit_adam(b, param, grad, state, hyper, found_inf, decoupled=True, out_of_place=True)
 
 
 class SGD(Optimizer):
     """SGD with momentum, dampening, nesterov and (coupled) weight decay (as torch.optim.SGD)."""
 
     slots = ("step", "momentum_buffer")
+    scalar_keys = SGD_KEYS
+    group_keys = ("lr", "momentum", "dampening", "weight_decay")
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, max_grad_norm: float | None = None):
-        super().__init__(lr, max_grad_norm)
+                 weight_decay: float = 0.0, max_grad_norm: float | None = None, groups: list[dict] | None = None):
+        super().__init__(lr, max_grad_norm, groups)
         self.momentum, self.dampening, self.nesterov, self.weight_decay = momentum, dampening, nesterov, weight_decay
         self.check()
 
-    def check(self):
-        super().check()
+    def _check_own(self):
+        super()._check_own()
         self.momentum = _number("momentum", self.momentum)
         self.dampening = _number("dampening", self.dampening, high=1.0)
         self.weight_decay = _number("weight_decay", self.weight_decay)
@@ -264,17 +417,20 @@ class SGD(Optimizer):
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise KilnError("nesterov momentum requires momentum > 0 and dampening = 0")
 
+    def _scalar_values(self):
+        return (self.lr, self.momentum, self.dampening, self.weight_decay)
+
+    def structure(self):
+        return super().structure() + (self.nesterov,)
+
     def init_state(self, param):
         return {"step": torch.zeros((), dtype=torch.float32), "momentum_buffer": torch.zeros_like(param)}
 
-    def emit_update(self, b, param, grad, state, lr, found_inf=None):
-        b.emit(SGD_OP, (param, grad, state["momentum_buffer"], state["step"], lr, self.momentum, self.dampening,
-                        self.nesterov, self.weight_decay, found_inf), {}, metas=[])
+    def emit_update(self, b, param, grad, state, hyper, found_inf=None, group=0):
+        emit_sgd(b, param, grad, state, hyper, found_inf, self.nesterov, out_of_place=False)
 
-    def emit_update_out(self, b, param, grad, state, lr, found_inf=None):
-        (new,) = b.emit(SGD_OUT, (param, grad, state["momentum_buffer"], state["step"], lr, self.momentum,
-                                  self.dampening, self.nesterov, self.weight_decay, found_inf), {}, metas=[param.meta])
-        return new
+    def emit_update_out(self, b, param, grad, state, hyper, found_inf=None, group=0):
+        return emit_sgd(b, param, grad, state, hyper, found_inf, self.nesterov, out_of_place=True)
 
 
 def clip_by_global_norm(b, grads: list[Value], max_norm: float, total: Value | None = None) -> list[Value]:

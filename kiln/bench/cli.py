@@ -100,8 +100,28 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     if getattr(args, "bench_command", None) == "report":
-        return report.run(args)
+        missing = missing_extras(plot=bool(args.image or args.out))
+        return _fail(missing) if missing else report.run(args)
     return run(args)
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def missing_extras(model: str | None = None, plot: bool = False) -> str | None:
+    """What optional dependency this run needs and lacks, said up front with the extra that installs it
+    (None when all are there): transformers for the transformers-built models, matplotlib for a chart."""
+    need = []
+    if model is not None and model not in zoo.PLAIN_TORCH and not _installed("transformers"):
+        need.append(f"transformers (model {model!r} is built by it; `--model resnet` needs only torch)")
+    if plot and not _installed("matplotlib"):
+        need.append("matplotlib (for the chart: --plot, or report --out/--image)")
+    if not need:
+        return None
+    return (f"missing optional dependenc{'ies' if len(need) > 1 else 'y'}: {'; '.join(need)}. "
+            "Install the bench extra: pip install 'kiln[bench]'")
 
 
 def _fail(message: str) -> int:
@@ -120,6 +140,9 @@ def build_config(args: argparse.Namespace) -> dict:
         raise ValueError(f"--warmup must be at least 1 (the first step always warms up), got {args.warmup}")
     if args.budget < 0 or args.settle < 0 or args.timeout <= 0:
         raise ValueError("--budget and --settle must be >= 0 and --timeout > 0")
+    missing = missing_extras(args.model, plot=bool(args.plot))
+    if missing:
+        raise ValueError(missing)
     baseline = args.baseline or ("eager" if "eager" in names else names[0])
     if baseline not in names:
         raise ValueError(f"--baseline {baseline} is not one of --modes ({', '.join(names)})")

@@ -222,6 +222,7 @@ BUILDERS: dict[str, Callable[[dict, int], ZooEntry]] = {
     "bert": _bert, "t5": _t5, "vit": _vit, "resnet": _resnet,
 }
 MODELS = tuple(BUILDERS)
+PLAIN_TORCH = frozenset({"resnet"})     # the other models are built by transformers (the `bench` extra)
 OVERRIDABLE = ("layers", "hidden", "heads", "intermediate", "seq", "batch", "vocab")
 
 

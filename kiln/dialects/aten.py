@@ -101,6 +101,8 @@ def _register_optimizer_kernels() -> None:
     kernel(ATEN, optim.adamw_update, optim.adamw_update, name="reference")
     kernel(ATEN, optim.sgd_update, optim.sgd_update, name="reference")
     kernel(ATEN, optim.loss_scale_update, optim.loss_scale_update, name="amp")
+    kernel(ATEN, optim.accumulate_grads, optim.accumulate_grads, name="foreach")
+    kernel(ATEN, optim.zero_accumulated, optim.zero_accumulated, name="foreach")
     from kiln import guards
     kernel(ATEN, guards.check_finite, guards.check_finite, name="guard")
     kernel(ATEN, guards.branch_guard, guards.branch_guard, name="branch_guard")
@@ -133,12 +135,12 @@ def _register_optimizer_fusion() -> None:
     from kiln.ir.pattern import Op, V
 
     tensors = ("param", "grad", "exp_avg", "exp_avg_sq", "step")
-    hyper = ("lr", "beta1", "beta2", "eps", "weight_decay", "found_inf")
+    hyper = ("lr", "beta1", "beta2", "eps", "weight_decay", "found_inf", "decoupled")
     pattern = Op(optim.adamw_update, *(V(s) for s in tensors + hyper))
 
     def key(m):
         """Updates fuse when the multi-tensor kernel takes them and they share every hyper-parameter
-        (lr and found_inf are graph values: the same value)."""
+        (the runtime scalars of one parameter group and found_inf are graph values: the same value)."""
         if not _fused_adamw_ok(m.root):
             return None
         p = m["param"].meta
@@ -151,7 +153,7 @@ def _register_optimizer_fusion() -> None:
         return [[] for _ in matches]
 
     fusion(ATEN, "adamw_multi_tensor", pattern, build, phase="training", group_by=key, min_group=2,
-           doc="per-parameter AdamW updates with equal hyper-parameters -> one _fused_adamw_ over lists")
+           doc="per-parameter AdamW/Adam updates with equal hyper-parameters -> one _fused_adamw_ (_fused_adam_) over lists")
     kernel(ATEN, optim.adamw_update_multi, optim.adamw_update_multi, name="fused")
 
 

@@ -100,7 +100,7 @@ class Role(enum.Enum):
     CONSTANT = "constant"    # tensor constant lifted by capture
     INPUT = "input"          # a tensor the user passes to step(...)
     STATE = "state"          # optimizer state (exp_avg, momentum buffer, step count, ...)
-    SCALAR = "scalar"        # a Python number read at call time (learning rate)
+    SCALAR = "scalar"        # a Python number read at call time (an optimizer hyper-parameter: lr, betas, ...)
 
 
 class Phase(enum.Enum):

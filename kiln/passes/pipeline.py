@@ -22,7 +22,7 @@ from kiln.guards import emit_check
 from kiln.ir.builder import Builder
 from kiln.ir.graph import Graph, Phase, Role, TensorMeta, Value
 from kiln.ir.printer import format_graph
-from kiln.optim import LOSS_SCALE, Optimizer, clip_by_global_norm, unscale_and_check
+from kiln.optim import ACCUMULATE, LOSS_SCALE, ZERO_ACCUMULATED, Optimizer, clip_by_global_norm, unscale_and_check
 from kiln.passes.amp import AmpPolicy, autocast
 from kiln.passes.canonicalize import canonicalize, lower_dialects
 from kiln.passes.collectives import gather_params, reduce_gradients
@@ -36,6 +36,7 @@ from kiln.passes.remat import rematerialize
 from kiln.passes.verify import verify
 
 log = logging.getLogger("kiln")
+aten = torch.ops.aten
 
 
 @dataclass
@@ -67,6 +68,8 @@ class Context:
     updates: list[Update] = field(default_factory=list)   # autodiff -> (collectives) -> optimizer
     loss_scale: Value | None = None                       # fp16: the backward's seed, a state input
     collectives: object = None     # data parallel: the collectives pass's Plan (kiln/passes/collectives.py)
+    accumulate: int = 1            # gradient accumulation: micro-batches per update (loss seeded with 1/N)
+    update: bool = True            # accumulate > 1: whether this program is the cycle's last micro-step
 
 
 def add_backward(ctx: Context) -> int:
@@ -76,7 +79,11 @@ def add_backward(ctx: Context) -> int:
     scaling = ctx.amp is not None and ctx.amp.dtype == torch.float16
     scale = g.add_input("loss_scale", _scalar_meta(torch.float32), Role.STATE, f"{AMP_STATE}:scale") if scaling else None
     ctx.loss_scale = scale
-    grads = differentiate(g, g.outputs[0], params, seed=scale)
+    loss = g.outputs[0]
+    if ctx.accumulate > 1:         # as eager's (loss / N).backward(): the backward starts from 1/N
+        scale = Builder(g, Phase.BACKWARD, scope="accumulate")(
+            aten.full.default, [], 1.0 / ctx.accumulate, dtype=loss.meta.dtype, device=loss.meta.device)
+    grads = differentiate(g, loss, params, seed=scale)
     for p in params:
         if p not in grads:
             log.info("kiln: parameter %s gets no gradient from this loss; it is not updated", p.source)
@@ -96,6 +103,15 @@ def add_update(ctx: Context) -> int:
     gs = [u.grad for u in updated]
     loss = plan.loss if plan is not None else g.outputs[0]
     found_inf = None
+    if ctx.accumulate > 1:         # the step's persistent gradient sums, one per parameter
+        accs = [g.add_input(f"{u.param.name}__grad_sum", u.param.meta, Role.STATE, f"{ACCUM_STATE}:{u.state}")
+                for u in updated]
+        if not ctx.update:         # a micro-step: guard, then the sums grow at the commit; no update
+            b.scope = "optimizer:accumulate"
+            emit_check(b, loss, gs, [u.name for u in updated], ctx.nonfinite)
+            b.emit(ACCUMULATE, (accs, gs), {}, metas=[])
+            return 0
+        gs = [b(aten.add.Tensor, a, grad) for a, grad in zip(accs, gs)]   # eager's order: ((g1 + g2) + ...) + gN
     if ctx.loss_scale is not None:
         gs, found_inf = unscale_and_check(b, gs, ctx.loss_scale)
         if sharded:
@@ -107,15 +123,26 @@ def add_update(ctx: Context) -> int:
     if ctx.optimizer.max_grad_norm is not None and gs:
         gs = clip_by_global_norm(b, gs, ctx.optimizer.max_grad_norm,
                                  total=plan.grad_norm(b, gs) if plan is not None else None)
-    lr = g.add_input("lr", None, Role.SCALAR, "lr")
+    opt = ctx.optimizer
+    hypers: dict[int, dict[str, Value]] = {}       # per parameter group: its runtime scalars (lr, betas, ...)
     for u, grad in zip(updated, gs):
+        group = opt.group_of(u.state)
+        if group is None:                           # a torch optimizer that does not hold this parameter
+            log.info("kiln: parameter %s is in no parameter group of the optimizer; it is not updated", u.name)
+            continue
+        if group not in hypers:
+            hypers[group] = {k: g.add_input(f"g{group}_{k}", None, Role.SCALAR, f"{group}:{k}")
+                             for k in opt.scalar_keys}
         state = {slot: g.add_input(f"{u.param.name}__{slot}", _state_meta(u.param, slot), Role.STATE,
-                                   f"{u.state}:{slot}") for slot in ctx.optimizer.slots}
+                                   f"{u.state}:{slot}") for slot in opt.slots_of(group)}
         b.scope = f"optimizer:{u.name}"
         if u.out_of_place:
-            u.new = ctx.optimizer.emit_update_out(b, u.param, grad, state, lr, found_inf)
+            u.new = opt.emit_update_out(b, u.param, grad, state, hypers[group], found_inf, group)
         else:
-            ctx.optimizer.emit_update(b, u.param, grad, state, lr, found_inf)
+            opt.emit_update(b, u.param, grad, state, hypers[group], found_inf, group)
+    if ctx.accumulate > 1:
+        b.scope = "optimizer:accumulate"
+        b.emit(ZERO_ACCUMULATED, (accs,), {}, metas=[])
     if ctx.loss_scale is not None:
         b.scope = "optimizer:loss_scale"
         tracker = g.add_input("growth_tracker", _scalar_meta(torch.int32), Role.STATE, f"{AMP_STATE}:growth_tracker")
@@ -124,6 +151,7 @@ def add_update(ctx: Context) -> int:
 
 
 AMP_STATE = "__amp__"      # optimizer-state entry holding the fp16 loss scale and its growth tracker
+ACCUM_STATE = "__accum__"  # source prefix of the gradient sums (`CompiledStep.grad_sums`, not optimizer state)
 
 
 def _scalar_meta(dtype):

@@ -27,7 +27,7 @@ class Program:
     graph: Graph
     source: str
     fn: Callable
-    fetch: list[Callable[[list, float], Any]]     # one per graph input: (user leaves, lr) -> value
+    fetch: list[Callable[[list, dict], Any]]      # one per graph input: (user leaves, optimizer scalars) -> value
     compile_seconds: float
     timings: list
     regions: list                 # every fused region considered, kept or not (kiln.passes.regions.Region)

@@ -19,12 +19,14 @@ from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
-from kiln.passes.pipeline import AFTER_TUNING, AMP_STATE, Context, run_pipeline
+from kiln.passes.pipeline import ACCUM_STATE, AFTER_TUNING, AMP_STATE, Context, run_pipeline
 from kiln.runtime import checkpoint, memory, shapes
 from kiln.runtime.codegen import generate
 from kiln.runtime.failures import describe_failure
 from kiln.runtime.programs import CacheInfo, Program, ProgramCache
 from kiln.runtime.parallel import Parallel
+from kiln.torch_optim import TorchOptimizer
+from kiln import torch_optim
 from kiln.transaction import step_transaction
 
 log = logging.getLogger("kiln")
@@ -72,12 +74,23 @@ class CompiledStep:
                  dialects=None, max_programs: int = 8, verify: bool = False, amp: str | None = None,
                  amp_overrides: dict | None = None, init_loss_scale: float = 2.0 ** 16, tuning: str | None = None,
                  nonfinite: str = "raise", dynamic: Any = None, fail_on_max_programs: bool = False,
-                 memory_budget: Any = None, parallel=None):
+                 memory_budget: Any = None, parallel=None, accumulate: int = 1, max_grad_norm: float | None = None):
         if not isinstance(model, torch.nn.Module):
             raise KilnError(f"kiln.compile expects a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(optimizer, torch.optim.Optimizer):     # its param_groups and state stay the truth
+            if parallel is not None:
+                raise KilnError("parallel= with a torch.optim optimizer is not supported yet (ZeRO shards Kiln's own "
+                                "state); use kiln.optim.AdamW(...) or kiln.optim.SGD(...) with kiln.DataParallel")
+            optimizer = TorchOptimizer(optimizer, max_grad_norm)
+        elif max_grad_norm is not None:
+            raise KilnError("max_grad_norm= of kiln.compile is for torch.optim optimizers; a kiln.optim optimizer "
+                            "clips with its own argument: kiln.optim.AdamW(..., max_grad_norm=1.0)")
         if not isinstance(optimizer, Optimizer):
-            raise KilnError("optimizer must be a kiln.optim optimizer (kiln.optim.AdamW(...) or kiln.optim.SGD(...)), "
-                            f"got {type(optimizer).__name__}")
+            raise KilnError("optimizer must be torch.optim.AdamW/Adam/SGD or a kiln.optim optimizer "
+                            f"(kiln.optim.AdamW(...) or kiln.optim.SGD(...)), got {type(optimizer).__name__}")
+        if parallel is not None and optimizer.groups:
+            raise KilnError("parallel= with parameter groups (groups=) is not supported yet: ZeRO shards mix the "
+                            "parameters of several groups")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.params = {}
         for name, p in model.named_parameters():
@@ -113,11 +126,26 @@ class CompiledStep:
                             amp, low, torch.backends.cpu.get_cpu_capability())
         # ---- data parallel: with ZeRO each rank keeps only its shards, made when the first program fixes them
         sharded = parallel is not None and getattr(parallel, "zero", 0) > 0
-        self.state: dict[str, dict[str, torch.Tensor]] = {} if sharded else {
+        # a torch optimizer's state is its own `state[p]`, looked up at every call (`_torch_state`)
+        self.state: dict[str, dict[str, torch.Tensor]] = {} if sharded or self._torch_opt else {
             n: optimizer.init_state(p) for n, p in self.params.items()}
         if self.amp is not None and self.amp.dtype == torch.float16:
             self.state[AMP_STATE] = {"scale": torch.tensor(float(init_loss_scale)),
                                      "growth_tracker": torch.zeros((), dtype=torch.int32)}
+        # ---- gradient accumulation: persistent gradient sums, an update every `accumulate` calls
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+            raise KilnError(f"accumulate must be a positive int (micro-batches per update), got {accumulate!r}")
+        if accumulate > 1 and parallel is not None:
+            raise KilnError("accumulate= with parallel= is not supported yet; accumulate in the data loader "
+                            "(larger per-rank batches) or train without parallel=")
+        if accumulate > 1 and self.amp is not None and self.amp.dtype == torch.float16:
+            raise KilnError("accumulate= with amp='fp16' (dynamic loss scaling) is not supported yet; use amp='bf16'")
+        self.accumulate = accumulate
+        self.accumulated = 0                  # micro-batches in the gradient sums now (0 .. accumulate - 1)
+        self.grad_sums: dict[str, torch.Tensor] = {
+            n: torch.zeros_like(p, memory_format=torch.preserve_format) for n, p in self.params.items()
+        } if accumulate > 1 else {}
+        self._update_now = True               # whether the program being compiled runs the update
         self.last: Program | None = None
         self._lock = threading.RLock()        # calls (and compiles) on one step run one at a time
         self._tensors = self._module_tensors()
@@ -137,17 +165,36 @@ class CompiledStep:
             finally:                        # an interrupt inside a no_grad block must not leave it off
                 torch.set_grad_enabled(grad_mode)
 
+    @property
+    def _torch_opt(self) -> bool:
+        return isinstance(self.optimizer, TorchOptimizer)
+
+    def _torch_state(self) -> list:
+        """A torch optimizer: this call's view of its groups and `state[p]` tensors (kiln/torch_optim.py);
+        returns the fresh state to install once the step has committed."""
+        view, pending = self.optimizer.state_view()
+        if AMP_STATE in self.state:
+            view[AMP_STATE] = self.state[AMP_STATE]
+        self.state = view
+        return pending
+
     def _step(self, args, kwargs) -> torch.Tensor:
         self.optimizer.check()              # hyper-parameters set between steps are validated too
         self._follow_replaced_tensors()
+        self.optimizer.bind(self.model, self.params)    # parameter groups -> the model's parameters
+        pending = self._torch_state() if self._torch_opt else []
         kwargs = dict(sorted(kwargs.items()))
         leaves, spec = pytree.tree_flatten((args, kwargs))
         for x in leaves:
             _check_leaf(x)
         names = self.dialects or dialect_registry.enabled()
-        # hyper-parameters other than lr are baked into the generated code: changing one recompiles
-        hyper = tuple((k, v) for k, v in sorted(self.optimizer.hyperparameters().items()) if k != "lr")
-        base = (str(spec), tuple(shapes.leaf_kind(x) for x in leaves), self.model.training, names, hyper)
+        # numeric hyper-parameters are runtime inputs; what the code bakes in (groups, nesterov, clipping) is
+        # part of the key: changing it compiles another program
+        base = (str(spec), tuple(shapes.leaf_kind(x) for x in leaves), self.model.training, names,
+                self.optimizer.structure())
+        if self.accumulate > 1:             # micro-steps and the cycle's last (update) step: two programs
+            self._update_now = self.accumulated == self.accumulate - 1
+            base += (("accumulate", self.accumulate, self._update_now),)
         sizes = shapes.sizes_of(leaves)
         tried: list[Program] = []
         # several programs may serve these sizes (value-dependent branches compile one variant per way they
@@ -160,8 +207,8 @@ class CompiledStep:
             tried.append(prog)
             self.last = prog
             self._last_leaves = leaves      # kiln.explain(step, profile=True) replays this batch
-            lr = self.optimizer.lr
-            inputs = [f(leaves, lr) for f in prog.fetch]
+            hyper = self.optimizer.scalars()
+            inputs = [f(leaves, hyper) for f in prog.fetch]
             try:
                 with torch.no_grad(), step_transaction() as txn:
                     loss = prog.fn(*inputs)
@@ -196,6 +243,12 @@ class CompiledStep:
                             "kernels run before any other write, so parameters and state are unchanged unless an "
                             "earlier fused group had already been applied. Check the optimizer's hyper-parameters, "
                             "or try kiln.compile(..., dialects=['aten'])") from e
+        if pending:
+            self.optimizer.install(pending)  # torch's lazily made state, now that an update wrote it
+        if self._torch_opt and self._update_now:
+            self.optimizer.stepped()
+        if self.accumulate > 1:
+            self.accumulated = 0 if self._update_now else self.accumulated + 1
         prog.ran = True
         self.cache.used(prog)
         self.tuner.start()                  # online tuning: compilers start once a step has run
@@ -309,7 +362,8 @@ class CompiledStep:
             guards_before = len(env.guards) if env is not None else 0
             ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
                                        nonfinite=self.nonfinite, memory_budget=self.memory_budget,
-                                       parallel=self.parallel))
+                                       parallel=self.parallel, accumulate=self.accumulate,
+                                       update=self._update_now))
             t1 = time.perf_counter()        # the passes asked; the tuner compiles, measures, prepares workers
             mark = self.tuner.mark()
             self.tuner.realize(ctx)
@@ -334,7 +388,8 @@ class CompiledStep:
         prog.memory = ctx.memory
         return prog
 
-    def _fetcher(self, v, constants) -> Callable[[list, float], Any]:
+    def _fetcher(self, v, constants) -> Callable[[list, dict], Any]:
+        """How a graph input is found at each call, from (the call's leaves, the optimizer's scalars now)."""
         if v.role in (Role.PARAM, Role.FROZEN, Role.BUFFER):
             source = v.source
             return lambda leaves, lr: self._tensors[source]
@@ -344,13 +399,32 @@ class CompiledStep:
         if v.role is Role.INPUT:
             i = int(v.source)
             return lambda leaves, lr: leaves[i]
+        if v.role is Role.STATE and v.source.startswith(ACCUM_STATE + ":"):
+            name = self._param_name(v.source[len(ACCUM_STATE) + 1:])
+            return lambda leaves, hyper: self.grad_sums[name]
         if v.role is Role.STATE:
             pname, slot = v.source.rsplit(":", 1)
             name = self._state_name(pname)
             return lambda leaves, lr: self.state[name][slot]
         if v.role is Role.SCALAR:
-            return lambda leaves, lr: lr
+            key = v.source
+            return lambda leaves, hyper: hyper[key]
         raise KilnError(f"graph input {v.name} has no role")
+
+    def _param_name(self, pname: str) -> str:
+        """The trainable parameter's own name (tied weights have several)."""
+        if pname in self.params:
+            return pname
+        target = dict(self.model.named_parameters(remove_duplicate=False))[pname]
+        return next(n for n, p in self.params.items() if p is target)
+
+    def reset_accumulation(self) -> None:
+        """Gradient accumulation: drop the micro-batches summed so far (the next call starts a new cycle)."""
+        with self._lock:
+            with torch.no_grad():
+                for t in self.grad_sums.values():
+                    t.zero_()
+            self.accumulated = 0
 
     def _state_name(self, pname: str) -> str:
         """The parameter name under which optimizer state is kept (tied weights share one entry)."""
@@ -439,7 +513,8 @@ class CompiledStep:
         if leaves is None:
             raise KilnError("nothing to replay: call the step once with a batch first")
         owned = (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.STATE)
-        inputs = [f(leaves, self.optimizer.lr) for f in prog.fetch]
+        hyper = self.optimizer.scalars()
+        inputs = [f(leaves, hyper) for f in prog.fetch]
         inputs = [x.detach().clone() if v.role in owned and isinstance(x, torch.Tensor) else x
                   for v, x in zip(prog.graph.inputs, inputs)]
         with _rng_untouched(), torch.no_grad():
@@ -449,19 +524,26 @@ class CompiledStep:
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self, sharded: bool = False) -> dict | None:
-        """Optimizer state (per parameter name) and hyper-parameters; tensors are copies. Data parallel: the
+        """Optimizer state (per parameter name) and hyper-parameters; tensors are copies. With a torch.optim
+        optimizer: `{"torch_optimizer": optimizer.state_dict()}` (torch's format, copies). Data parallel: the
         whole state on rank 0 and None on the other ranks (with ZeRO every rank must call it: the shards
         are gathered); `sharded=True`: this rank's part, see kiln/runtime/parallel.py."""
         if self.parallel is not None:
             with self._lock:
                 return self.parallel.state_dict(self, sharded)
+        if self._torch_opt:
+            return torch_optim.state_dict(self)
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, sd: dict) -> None:
         """Load what `state_dict()` returned. Every key, slot, tensor shape/dtype/device and hyper-parameter
         is checked first; anything wrong refuses the whole checkpoint with a KilnError (nothing applied).
+        With a torch.optim optimizer `{"torch_optimizer": sd}` goes through its own `load_state_dict` (an
+        eager run's state loads too), checked against the model, restored on any error.
         Data parallel: a whole state loads on any number of ranks (each cuts its shards)."""
         with self._lock:
             if self.parallel is not None:
                 return self.parallel.load_state_dict(self, sd)
+            if self._torch_opt:
+                return torch_optim.load_state_dict(self, sd)
             checkpoint.load_state_dict(self, sd)

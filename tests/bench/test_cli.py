@@ -119,3 +119,21 @@ def test_report_rejects_foreign_json(tmp_path, capsys):
     assert "not a `kiln bench --json` report" in capsys.readouterr().err
     assert bench_main(["bench", "report", str(tmp_path / "y.json")]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_missing_optional_dependencies_are_named_up_front(monkeypatch, capsys, tmp_path):
+    """Without transformers (or matplotlib for a chart) the run stops before any mode starts, naming the
+    package and the extra that installs it; resnet needs neither."""
+    from kiln.bench import cli
+    absent = {"transformers", "matplotlib"}
+    monkeypatch.setattr(cli, "_installed", lambda module: module not in absent)
+    assert bench_main(["bench", "--model", "gpt2", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "transformers" in err and "pip install 'kiln[bench]'" in err and "matplotlib" not in err
+    assert bench_main(["bench", "--model", "resnet", "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and "transformers" not in err
+    (tmp_path / "r.json").write_text("{}")
+    assert bench_main(["bench", "report", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md")]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+    assert cli.missing_extras("resnet") is None

@@ -316,16 +316,17 @@ def test_one_tensor_passed_twice_does_not_specialize_the_program():
     torch.testing.assert_close(got, ref(input_ids=ids, labels=other).loss.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_changing_a_baked_hyperparameter_recompiles():
+def test_numeric_hyperparameters_are_runtime_inputs_and_nesterov_recompiles():
+    """weight decay, momentum, lr: runtime scalars of the program (no recompile); nesterov is baked in."""
     model, x, y = mlp_and_data()
     ref = copy.deepcopy(model)
     kopt = kiln.optim.SGD(lr=0.1, momentum=0.9)
     step = kiln.compile(model, optimizer=kopt, loss_fn=ce)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for wd in (0.0, 0.1):
-        kopt.weight_decay = wd
+    for wd, mom, nesterov in ((0.0, 0.9, False), (0.1, 0.5, False), (0.1, 0.5, True)):
+        kopt.weight_decay, kopt.momentum, kopt.nesterov = wd, mom, nesterov
         for g in opt.param_groups:
-            g["weight_decay"] = wd
+            g.update(weight_decay=wd, momentum=mom, nesterov=nesterov)
         for _ in range(2):
             step(x, y)
             opt.zero_grad()
