@@ -12,8 +12,9 @@ shape, then goes dynamic), `kiln.compile(model, optimizer=...)` (a static progra
 Reported per mode: the whole run's wall time (compiles included), programs (graphs) compiled, the first
 step, the median step, and each step's loss against eager's (max relative difference).
 
---static-check: in one process, Kiln's dynamic program against a static Kiln program at each given length,
-steps interleaved on the same batch after both finished tuning, medians of --repeats (is the step of a
+--static-check: in one process, Kiln's dynamic program against a static Kiln program and eager PyTorch at
+each given length, steps interleaved on the same batch after both Kiln programs finished tuning, medians of
+--repeats (is the step of a
 program that serves every length as fast as one compiled for that length?).
 """
 from __future__ import annotations
@@ -122,26 +123,35 @@ def static_check(args) -> list[dict]:
     for length in args.static_check:
         batch = make_batch(0, args.batch, length, vocab)
         static = kiln.compile(copy.deepcopy(base), optimizer=kiln.optim.AdamW(lr=0.0), dynamic=False)
-        steps = {"dynamic": lambda: dyn(**batch), "static": lambda: static(**batch)}
+        eager_model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(eager_model.parameters(), lr=0.0)
+
+        def eager():
+            opt.zero_grad(set_to_none=True)
+            eager_model(**batch).loss.backward()
+            opt.step()
+        steps = {"dynamic": lambda: dyn(**batch), "static": lambda: static(**batch), "eager": eager}
         deadline = time.perf_counter() + args.settle
         while time.perf_counter() < deadline:       # both tune online on this length: run until settled
-            for fn in steps.values():
+            for fn in (steps["dynamic"], steps["static"]):
                 fn()
             if not dyn.pending_tuning() and not static.pending_tuning():
                 break
         assert dyn.last.dynamic and not static.last.dynamic
         times = {k: [] for k in steps}
         for r in range(args.repeats + 1):
-            for k in (list(steps) if r % 2 else list(steps)[::-1]):
+            for k in (list(steps) if r % 2 else list(steps)[::-1]):       # interleaved, order alternating
                 t0 = time.perf_counter()
                 steps[k]()
                 if r:
                     times[k].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append(dict(length=length, dynamic_s=med["dynamic"], static_s=med["static"],
-                         ratio=med["dynamic"] / med["static"], still_tuning=dyn.pending_tuning() + static.pending_tuning()))
+                         eager_s=med["eager"], ratio=med["dynamic"] / med["static"],
+                         vs_eager=med["eager"] / med["dynamic"], still_tuning=dyn.pending_tuning() + static.pending_tuning()))
         print(f"  length {length}: dynamic {med['dynamic']:.3f}s, static {med['static']:.3f}s, "
-              f"dynamic/static {med['dynamic'] / med['static']:.3f}", file=sys.stderr)
+              f"dynamic/static {med['dynamic'] / med['static']:.3f}; eager {med['eager']:.3f}s "
+              f"({med['eager'] / med['dynamic']:.2f}x the dynamic program's time)", file=sys.stderr)
         static.close()
     dyn.close()
     return rows
