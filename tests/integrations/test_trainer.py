@@ -100,6 +100,8 @@ def test_trainer_matches_eager_trainer(data, eager, tmp_path):
     assert abs(trainer.evaluate()["eval_loss"] - ref_eval) <= 1e-4 * abs(ref_eval)
     info = trainer.kiln_step.cache_info()
     assert info.compiles == 2                  # a micro-step and an update step, each for every padded length
+    with pytest.raises(kiln.KilnError, match=r"optimizer.step\(\) after 0 Kiln updates"):
+        trainer.optimizer.step()               # the Trainer's step never updates a second time
     opt = trainer.optimizer.optimizer        # the Trainer's own AdamW: the update wrote its state
     assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
     assert all(int(opt.state[p]["step"]) == STEPS for g in opt.param_groups for p in g["params"])
@@ -133,7 +135,26 @@ def test_stop_and_resume_from_checkpoint_continues_exactly(data, eager, tmp_path
         torch.testing.assert_close(p, q, **PARAM_TOL, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("setting", [dict(torch_compile=True), dict(gradient_checkpointing=True),
+def test_bf16_and_per_batch_mean_loss_match_eager(data, tmp_path):
+    """bf16=True: Kiln's amp='bf16' against the eager Trainer's autocast. Both round the matmul inputs to bf16
+    and keep fp32 parameters; their rounding points and summation orders differ, so the losses agree to
+    ~1e-5 relative here, inside LOSS_RTOL. Both trainers also take the Trainer's other loss path
+    (model_accepts_loss_kwargs=False: each micro-batch's mean loss divided by its window's length, 1 for the
+    short 8th window), which Kiln scales by N / k."""
+    train, _, collator = data
+    runs = {}
+    for name, cls in (("eager", transformers.Trainer), ("kiln", Trainer)):
+        trainer = cls(model=tiny_gpt2(), args=arguments(tmp_path / name, bf16=True, max_steps=10),
+                      train_dataset=train, data_collator=collator)
+        trainer.model_accepts_loss_kwargs = False
+        trainer.train()
+        runs[name] = losses(trainer)
+    assert trainer.kiln_step.amp is not None and trainer.kiln_step.amp.dtype == torch.bfloat16
+    assert sorted(runs["kiln"]) == [5, 10]
+    assert_losses_close(runs["kiln"], runs["eager"])
+
+
+@pytest.mark.parametrize("setting", [dict(fp16=True), dict(torch_compile=True), dict(gradient_checkpointing=True),
                                      dict(neftune_noise_alpha=5.0)])
 def test_unsupported_arguments_are_refused(data, tmp_path, setting):
     train, _, collator = data
