@@ -102,6 +102,10 @@ class Trainer(transformers.Trainer):
         if taken:
             raise KilnError(f"kiln_options may not set {taken}: the Trainer's optimizer, compute_loss, "
                             "gradient_accumulation_steps, max_grad_norm and bf16 decide them")
+        if self.kiln_options.get("nonfinite") == "skip":
+            raise KilnError("kiln_options={'nonfinite': 'skip'} is not supported by the Kiln Trainer: the Trainer's "
+                            "loop would count (and schedule) the skipped update; use 'raise' (the default: a "
+                            "non-finite loss or gradient raises kiln.NonFiniteError with nothing written) or 'ignore'")
         super().__init__(*args, **kwargs)
         _refuse(self.args)
         self.kiln_step: kiln.CompiledStep | None = None

@@ -168,6 +168,9 @@ def test_unsupported_optimizer_and_options_are_refused(data, tmp_path):
     with pytest.raises(kiln.KilnError, match="kiln_options may not set"):
         Trainer(model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=train, data_collator=collator,
                 kiln_options={"accumulate": 4})
+    with pytest.raises(kiln.KilnError, match="nonfinite"):
+        Trainer(model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=train, data_collator=collator,
+                kiln_options={"nonfinite": "skip"})
     trainer = Trainer(model=tiny_gpt2(), args=arguments(tmp_path, optim="adafactor"), train_dataset=train,
                       data_collator=collator)
     with pytest.raises(kiln.KilnError, match="optim='adafactor'"):
