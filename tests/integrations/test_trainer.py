@@ -1,7 +1,7 @@
 """`kiln.integrations.transformers.Trainer` against eager `transformers.Trainer` on the same tiny GPT-2, data,
 collator (dynamic padding) and TrainingArguments: warm-up + linear decay, weight decay with the Trainer's
 no-decay groups, gradient accumulation (with a short last window per epoch: 15 batches, windows of 2),
-clipping, logging, evaluation, checkpoint + resume.
+clipping, logging, evaluation (during and after training), checkpoint + resume, bf16, refusals.
 
 Tolerances: logged losses within 1e-3 relative (they agree to float rounding); parameters after 30 updates
 within atol=2e-4, rtol=1e-3. Kiln's backward uses its own kernels and summation order and its AdamW is
@@ -26,6 +26,7 @@ from kiln.integrations.transformers import Trainer  # noqa: E402
 STEPS = 30
 LOSS_RTOL = 1e-3
 PARAM_TOL = dict(atol=2e-4, rtol=1e-3)
+EVAL = dict(eval_strategy="steps", eval_steps=15)
 
 
 def tokenizer():
@@ -62,6 +63,10 @@ def losses(trainer):
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
+def evals(trainer):
+    return {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+
+
 def assert_losses_close(got, ref):
     assert got and set(got) <= set(ref), (got, ref)
     for step, loss in got.items():
@@ -78,17 +83,17 @@ def eager(data, tmp_path_factory):
     """The reference: eager transformers.Trainer, 30 updates, evaluated at the end."""
     train, evaluation, collator = data
     model = tiny_gpt2()
-    trainer = transformers.Trainer(model=model, args=arguments(tmp_path_factory.mktemp("eager")),
+    trainer = transformers.Trainer(model=model, args=arguments(tmp_path_factory.mktemp("eager"), **EVAL),
                                    train_dataset=train, eval_dataset=evaluation, data_collator=collator)
     trainer.train()
-    return losses(trainer), trainer.evaluate()["eval_loss"], model
+    return losses(trainer), trainer.evaluate()["eval_loss"], model, evals(trainer)
 
 
 def test_trainer_matches_eager_trainer(data, eager, tmp_path):
     train, evaluation, collator = data
-    ref_losses, ref_eval, ref_model = eager
+    ref_losses, ref_eval, ref_model, ref_evals = eager
     model = tiny_gpt2()
-    trainer = Trainer(model=model, args=arguments(tmp_path), train_dataset=train, eval_dataset=evaluation,
+    trainer = Trainer(model=model, args=arguments(tmp_path, **EVAL), train_dataset=train, eval_dataset=evaluation,
                       data_collator=collator)
     trainer.train()
     got = losses(trainer)
@@ -96,7 +101,11 @@ def test_trainer_matches_eager_trainer(data, eager, tmp_path):
     assert_losses_close(got, ref_losses)
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, **PARAM_TOL, msg=lambda m: f"{name}: {m}")
-    # evaluation is the Trainer's own, on the eager model whose parameters Kiln updated in place
+    # evaluation is the Trainer's own, on the eager model whose parameters Kiln updated in place (also between
+    # training steps: eval mode, then training goes on)
+    got_evals = evals(trainer)
+    assert sorted(got_evals) == sorted(ref_evals) == [15, 30]
+    assert all(abs(got_evals[s] - ref_evals[s]) <= 1e-4 * abs(ref_evals[s]) for s in got_evals)
     assert abs(trainer.evaluate()["eval_loss"] - ref_eval) <= 1e-4 * abs(ref_eval)
     info = trainer.kiln_step.cache_info()
     assert info.compiles == 2                  # a micro-step and an update step, each for every padded length
@@ -118,7 +127,7 @@ class _StopAt(transformers.TrainerCallback):
 
 def test_stop_and_resume_from_checkpoint_continues_exactly(data, eager, tmp_path):
     train, _, collator = data
-    ref_losses, _, ref_model = eager
+    ref_losses, _, ref_model, _ = eager
     first = Trainer(model=tiny_gpt2(), args=arguments(tmp_path, save_strategy="steps", save_steps=15),
                     train_dataset=train, data_collator=collator, callbacks=[_StopAt(15)])
     first.train()
