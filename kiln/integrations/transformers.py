@@ -20,6 +20,9 @@ How the Trainer's loop is mapped onto one Kiln step (transformers 5.24 `Trainer.
   scales it for gradient accumulation. Kiln's accumulation divides each micro-batch's loss by N, so the
   compiled loss is N times the Trainer's (`_kiln_loss`) and the value returned (what the Trainer logs) is
   divided by N again: the same number eager logs, the same gradients eager sums.
+- `compute_loss` (the Trainer's, or a subclass's override) is captured by `torch.export` when a program is
+  compiled, like any model code: its tensor math runs in every step, its Python side effects (appending to a
+  list, logging) only while compiling; a branch on a tensor's value is guarded like one in the model.
 - A window shorter than N (the last of an epoch whose length N does not divide) starts Kiln's cycle with
   `N - k` micro-batches counted, so its update comes after its k micro-batches, and its loss is scaled by
   N / k as the Trainer scales it by 1 / k.

@@ -11,7 +11,6 @@ entries to at most O(lr) per update (~1e-5 seen here; lr 3e-3).
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
