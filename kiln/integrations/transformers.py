@@ -58,7 +58,8 @@ def _refuse(args) -> None:
         ("fsdp", args.fsdp, "FSDP shards the parameters across processes; Kiln compiles a single-process step "
          "(kiln.DataParallel serves data parallelism with kiln.optim optimizers)"),
         ("torch_compile", args.torch_compile, "Kiln compiles the training step itself; set torch_compile=False"),
-        ("gradient_checkpointing", args.gradient_checkpointing or args.activation_checkpointing,
+        ("activation_checkpointing/gradient_checkpointing",       # one mirrors the other
+         bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)),
          "Kiln's generated backward does not re-run checkpointed forwards; pass "
          "kiln_options={'memory_budget': ...} to make Kiln recompute activations instead"),
         ("use_liger_kernel", args.use_liger_kernel, "Liger kernels patch the model with Triton kernels Kiln does "
@@ -70,8 +71,9 @@ def _refuse(args) -> None:
     ]
     for name, on, why in checks:
         if on:
+            value = getattr(args, name, on)
             raise KilnError(f"kiln.integrations.transformers.Trainer does not support TrainingArguments({name}="
-                            f"{getattr(args, name, on)!r}): {why}")
+                            f"{getattr(value, 'value', value)!r}): {why}")
     if args.world_size > 1 or args.n_gpu > 1:
         raise KilnError(f"kiln.integrations.transformers.Trainer trains on one device in one process, got "
                         f"world_size={args.world_size}, n_gpu={args.n_gpu} (TrainingArguments / torchrun); use "

@@ -163,6 +163,7 @@ def test_bf16_and_per_batch_mean_loss_match_eager(data, tmp_path):
 
 
 @pytest.mark.parametrize("setting", [dict(fp16=True), dict(torch_compile=True), dict(gradient_checkpointing=True),
+                                     dict(activation_checkpointing=True),
                                      dict(neftune_noise_alpha=5.0)])
 def test_unsupported_arguments_are_refused(data, tmp_path, setting):
     train, _, collator = data
