@@ -3,6 +3,7 @@
     python benchmarks/adopt_verify_release.py --types bert,vit,roberta --json v435.json
     python benchmarks/adopt_verify_release.py --from-report corpus435.json     # every model type with an sdpa rewrite
     python benchmarks/adopt_verify_release.py --types bert,gpt2 --timing-size bench
+    python benchmarks/adopt_verify_release.py --types bert --timing-size bench --rules sdpa   # one rule's cost
 
 transformers 4.35.2 writes attention the way the 4.x releases did (the explicit path, with
 `output_attentions` and head masks), which is what `kiln adopt` rewrites with its split; 5.x moved
@@ -44,18 +45,20 @@ def site(version: str) -> Path:
 
 
 def types_from_report(path: Path) -> list[str]:
-    """Model types whose own modeling file (`<type>/modeling_<type>.py`) got an sdpa rewrite in a
-    `kiln adopt --report` JSON of a corpus."""
+    """The modeling files that got an sdpa rewrite in a `kiln adopt --report` JSON of a corpus, by the
+    name `--verify` takes for them (`modeling_data2vec_audio.py` -> data2vec_audio, the model type
+    data2vec-audio)."""
     files = {Path(m["file"]) for m in json.loads(path.read_text())["matches"] if m["rule"] == "sdpa" and m["applied"]}
-    return sorted(f.parent.name for f in files if f.name == f"modeling_{f.parent.name}.py")
+    return sorted({f.stem[len("modeling_"):] for f in files if f.name.startswith("modeling_")})
 
 
-def verify(model_type: str, where: Path, timing_size: str | None) -> dict:
+def verify(model_type: str, where: Path, timing_size: str | None, rules: str | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(where), str(ROOT)]))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         cmd = [sys.executable, "-m", "kiln", "adopt", "--verify", f"transformers:{model_type}", "--json", str(out)]
         cmd += ["--timing-size", timing_size] if timing_size else ["--no-timing"]
+        cmd += ["--rules", rules] if rules else []
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if out.exists():
             return json.loads(out.read_text())
@@ -69,6 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--types", help="comma-separated model types")
     ap.add_argument("--from-report", type=Path, help="a `kiln adopt --report` JSON: every type with an sdpa rewrite")
     ap.add_argument("--timing-size", choices=("small", "bench"), help="also time training steps (default: no timing)")
+    ap.add_argument("--rules", help="comma-separated rules to apply (default: all built-in), as for kiln adopt")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     types = args.types.split(",") if args.types else types_from_report(args.from_report) if args.from_report else None
@@ -80,10 +84,7 @@ def main(argv=None) -> int:
           "| step ms before -> after |")
     print("|---|---|---|---|---|---:|---:|---|")
     for t in types:
-        r = verify(t, where, args.timing_size)
-        if r.get("equivalent") is None and "unknown model type" in str(r.get("reason")) and "_" in t:
-            t = t.replace("_", "-")         # the folder is blip_2, the model type blip-2
-            r = verify(t, where, args.timing_size)
+        r = verify(t, where, args.timing_size, args.rules)
         results.append(r)
         sdpa = r.get("rule_counts", {}).get("sdpa", 0)
         not_run = [n for n in (r.get("rewrites_not_run") or [])]
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
         diff = lambda k: "-" if r.get(k) is None else f"{r[k]:.1e}"  # noqa: E731
         step = (f"{r['step_time_before']:.0f} -> {r['step_time_after']:.0f} "
                 f"({r['step_time_after'] / r['step_time_before']:.2f}x)") if r.get("step_time_before") else "-"
-        print(f"| {t} | {r.get('class', '-')} | {ran} | {rules} | {eq} | {diff('max_output_diff')} | "
+        print(f"| {r.get('model_type') or t} | {r.get('class', '-')} | {ran} | {rules} | {eq} | {diff('max_output_diff')} | "
               f"{diff('max_grad_diff')} | {step} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -89,6 +89,8 @@ class Function:
     updated: set = field(default_factory=set)
     # self attributes written in place (`self.cache_k[:b, s:e] = xk`) -> lines
     attr_stores: dict = field(default_factory=dict)
+    # value after `if test: ... else: ...` -> (the `if`, version at the end of the body, at the end of the else)
+    branches: dict = field(default_factory=dict)
 
     @property
     def title(self) -> str:
@@ -156,6 +158,7 @@ class _FunctionAnalyzer:
         self.mutated: dict = {}
         self.updated: set = set()
         self.attr_stores: dict = {}
+        self.branches: dict = {}
         self.block: Block | None = None
         self.stmt: Stmt | None = None
         params = fn.params
@@ -177,7 +180,7 @@ class _FunctionAnalyzer:
         return Function(self.cls, self.fn.name.value, self.params, self.line(self.fn), block, self.fn,
                         self.nodes, self.uses, self.reader_block, self.defs, self.def_stmt, self.mutated,
                         self.local_names, self.name_version, self.phis, self.init_exprs, self.resolver,
-                        self.merges, self.updated, self.attr_stores)
+                        self.merges, self.updated, self.attr_stores, self.branches)
 
     def _propagate_mutation(self) -> None:
         """`x += y` on the value after an `if` changes the very tensor each branch made (and the one
@@ -375,6 +378,8 @@ class _FunctionAnalyzer:
             value = self.new_version(name)
             if ends:
                 self.merges[value] = {e[name] for e in ends if e.get(name)}
+            if isinstance(st, cst.If) and len(ends) == 2:
+                self.branches[value] = (st, ends[0].get(name), ends[1].get(name))
 
     # -- expressions ----------------------------------------------------------------------------
     def expr(self, e):
@@ -444,6 +449,10 @@ class _FunctionAnalyzer:
                     self.mark_mutated(receiver)            # x.mul_(...) changes x in place
         elif isinstance(func, cst.Name) and func.value not in self.local_names:
             qualname = self.resolver.qualname(func) or func.value
+        elif isinstance(func, cst.Call) and self.resolver.qualname(func.func) == "torch.nn.Softmax" \
+                and _softmax_dim(func) is not None and len(e.args) == 1 and e.args[0].keyword is None:
+            # nn.Softmax(dim=-1)(x), the module made where it is called: softmax(x, dim=-1)
+            return self.emit("softmax", [self.expr(e.args[0].value)], [("dim", Const(_softmax_dim(func)))], expr=e)
         else:
             module, qualname = self.expr(func), "call"
         args = [receiver] if receiver is not None else []

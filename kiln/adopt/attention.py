@@ -24,20 +24,20 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from kiln.adopt.dsl import Node, Opaque, Var
+from kiln.adopt.dsl import Const, Node, Opaque, Var
 from kiln.adopt.expr import Expr, TreeBuilder, const
-from kiln.adopt.attention_flow import sdpa_locations
+from kiln.adopt.attention_flow import expr_text, finite_fill, neg_inf, sdpa_locations
 from kiln.adopt.canon import SIGNATURES
 from kiln.adopt.dsl import Attr, Item, Tuple
 from kiln.adopt.rules import PYTHON_RULES
-from kiln.adopt.shapes import Ranks
-from kiln.adopt.structural import Context, Found, GuardBuilder, StructuralRule, _reads, _returns, code_of
+from kiln.adopt.shapes import Ranks, asserted, view_round_trip, view_sizes
+from kiln.adopt.structural import (Context, Found, GuardBuilder, StructuralRule, _cst_walk, _reads, _returns,
+                                   code_of)
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 PRODUCTS = ("@", "torch.bmm", ".bmm")
+_VIEWS = (".view", ".reshape")
 _NUMBER_CALLS = {".size", ".dim", ".numel", "len", "int", "float", "math.sqrt", "math.log", "math.exp", "math.pow"}
-_NEG_INF = {'float("-inf")', "float('-inf')", '-float("inf")', "-float('inf')", "-math.inf", "-torch.inf",
-            "-numpy.inf", "-np.inf", "float('-Inf')", 'float("-Inf")'}
 
 
 class AttentionBuilder(GuardBuilder):
@@ -117,6 +117,7 @@ class Parts:
     keep: list = field(default_factory=list)      # boolean masks: True where a key takes part
     dropout: dict = field(default_factory=dict)   # {"$dp", "$train"} or {"$drop"}
     core: list = field(default_factory=list)      # the trees from the product with v down to q @ k^T
+    batch: list = field(default_factory=list)     # sizes dim 0 splits into where masks are added to a view
 
 
 def _int(e: Expr):
@@ -135,8 +136,9 @@ def _on_score_path(e: Expr) -> bool:
     """Is `e` the scores, possibly scaled, masked or cast (not a mask computed from them)?"""
     if e.op in PRODUCTS:
         return True
-    if e.op in ("*", "+", "to", ".masked_fill", "torch.masked_fill", "torch.where"):
-        return any(_on_score_path(a) for a in e.args)
+    if e.op in ("*", "+", "to", ".masked_fill", "torch.masked_fill", "torch.where") + _VIEWS:
+        return any(_on_score_path(a) for a in e.args[:1] if e.op in _VIEWS) or \
+            e.op not in _VIEWS and any(_on_score_path(a) for a in e.args)
     return False
 
 
@@ -177,19 +179,19 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
             upcast, logits = True, logits.args[0]
         elif logits.op in (".masked_fill", "torch.masked_fill") and len(logits.args) == 3:
             scores, cond, fill = logits.args
-            if not _neg_inf(fill):
-                reason = reason or _finite_fill(fill)
+            if not neg_inf(fill):
+                reason = reason or finite_fill(fill)
             parts.keep.append(_invert(cond))
             logits = scores
         elif logits.op == "torch.where" and len(logits.args) == 3 and not logits.kw:
             cond, a, b = logits.args
             if _contains_product(a) and not _contains_product(b):
                 parts.keep.append(cond)
-                reason = reason or (None if _neg_inf(b) else _finite_fill(b))
+                reason = reason or (None if neg_inf(b) else finite_fill(b))
                 logits = a
             elif _contains_product(b) and not _contains_product(a):
                 parts.keep.append(_invert(cond))
-                reason = reason or (None if _neg_inf(a) else _finite_fill(a))
+                reason = reason or (None if neg_inf(a) else finite_fill(a))
                 logits = b
             else:
                 return None
@@ -199,6 +201,18 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
                 return None
             parts.masks += [t for t in logits.args if t is not scored[0]]
             logits = scored[0]
+        elif logits.op in _VIEWS and logits.args:
+            peeled = _round_trip(ctx, logits)
+            if peeled is None:
+                return None
+            if (parts.masks or parts.keep) and not parts.batch:
+                reason = reason or "a mask is added to the scores both as they are and through a view of them"
+            logits, masks, batch, why = peeled
+            if parts.batch and [b.key for b in batch] != [b.key for b in parts.batch]:
+                why = why or "the scores are viewed with different shapes to add their masks"
+            parts.masks += masks
+            parts.batch = batch
+            reason = reason or why
         else:
             break
     factors = list(logits.args) if logits.op == "*" else [logits]
@@ -208,7 +222,7 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
     product = products[0]
     parts.core.append(product)
     q, kt = product.args
-    k, why = _untranspose(ctx, kt, product, ranks)
+    k, why = _untranspose(ctx, kt, product, ranks, _checked_rank(ctx, [logits, product]))
     if k is None:
         return None
     if product.op != "@":      # torch.bmm: 3-D operands only; the original fails on anything else
@@ -229,19 +243,21 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
         elif kind == "scalar":          # a 0-d tensor: (q * s) @ k^T is (q @ k^T) * s
             parts.q = Expr("*", [parts.q, f])
         else:
-            reason = reason or (f"the scores are multiplied by `{_text(f)}`, which is not known to be a number "
+            reason = reason or (f"the scores are multiplied by `{expr_text(f)}`, which is not known to be a number "
                                 f"(scaled_dot_product_attention takes a numeric scale)")
     if any(m.op == "const" for m in parts.masks):
         return None
     reason = reason or why
-    if any(m.op == "guard" for m in parts.masks) and len(parts.masks) > 1:
+    guards = [m for m in parts.masks if m.op == "guard"]
+    if guards and len(parts.masks) > 1 and not (len(guards) == 2 == len(parts.masks) and not parts.keep):
         reason = reason or "the mask is added under `if ... is not None` together with other masks"
     inputs = {e.key for e in [q, k, v, parts.q, parts.k] + (list(q.args) if q.op == "*" else []) +
               (list(k.args) if k.op == "*" else [])}
     for c in casts:
         if _is_float32(c) and not upcast:
             reason = reason or "the probabilities are cast to float32, which changes the result's dtype"
-        elif not (c.op == "." and c.value == "dtype" and c.args[0].key in inputs and c.args[0].pure):
+        elif not (c.op == "." and c.value == "dtype" and c.args[0].key in inputs
+                  and (c.args[0].pure or c.args[0].var in {q.var, k.var, v.var} - {None})):   # v.dtype
             reason = reason or "the probabilities are cast to a dtype that is not the dtype of q, k or v"
     if upcast and not casts:
         reason = reason or ("the softmax is taken in float32 and never cast back: the result's dtype "
@@ -249,32 +265,23 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
     return parts, reason
 
 
-def _text(e: Expr) -> str:
-    if e.op == "const":
-        return repr(e.value)
-    if e.var:
-        return e.var.split(":")[0]
-    if e.src is not None:
-        return code_of(e.src)
-    if e.op == "leaf":
-        return str(e.value[1]).split(":")[0]
-    return e.op
-
-
-def _neg_inf(e: Expr) -> bool:
-    if e.op == "const":
-        return e.value == float("-inf")
-    if e.op == "leaf" and e.value[0] == "opaque":
-        return "".join(e.value[1].split()) in {s.replace(" ", "") for s in _NEG_INF}
-    if e.op == "*" and len(e.args) == 2 and e.args[0].is_num() and e.args[0].value == -1.0:   # -float("inf")
-        inner = e.args[1]
-        return inner.op == "float" and inner.args and inner.args[0].op == "const" and inner.args[0].value == "inf"
-    return e.op == "float" and len(e.args) == 1 and e.args[0].op == "const" and e.args[0].value in ("-inf", "-Inf")
-
-
-def _finite_fill(fill: Expr) -> str:
-    return (f"the scores are masked with `{_text(fill)}` rather than -inf: a boolean attention mask would differ "
-            f"in rows where every key is masked")
+def _round_trip(ctx: Context, e: Expr):
+    """`(s.view(b, h, t, k) + m).view(b * h, t, k)`, a mask added to a view of 3-D scores `s`:
+    (s, [m], [b, h], None) when a check shows that `s` has the sizes of the view back, so that
+    the first view only splits dim 0 (then q, k and v can be split the same way); (s, [m], [b, h],
+    reason) when the source does not show that; None when `e` is not such a round trip."""
+    inner = e.args[0]
+    terms = list(inner.args) if inner.op == "+" else [inner]
+    viewed = [t for t in terms if t.op in _VIEWS and t.args and _on_score_path(t.args[0])]
+    if len(viewed) != 1 or e.src is None or viewed[0].src is None:
+        return None
+    view, masks = viewed[0], [t for t in terms if t is not viewed[0]]
+    s, lead = view.args[0], list(view.args[1:-2])
+    if len(view.args) == 2 and view.args[1].op == "tuple":
+        lead = list(view.args[1].args[:-2])
+    made = s.var or (s.value[1] if s.op == "leaf" and s.value[0] == "var" else None)
+    before = view_sizes(ctx.fn, s.src) if s.op in _VIEWS and s.src is not None else None
+    return s, masks, lead, view_round_trip(ctx.fn, view.src, e.src, made, ctx.analysis.positions, before)
 
 
 def _invert(cond: Expr) -> Expr:
@@ -296,9 +303,22 @@ def _invert(cond: Expr) -> Expr:
     return Expr("operator.invert", [cond])
 
 
-def _untranspose(ctx: Context, kt: Expr, product: Expr, ranks: Ranks):
+def _checked_rank(ctx: Context, scores: list):
+    """The number of dimensions a size check states for the scores (the product, or the product times
+    numbers), or None."""
+    for e in scores:
+        made = e.var or (e.value[1] if e.op == "leaf" and e.value[0] == "var" else None)
+        sizes = asserted(ctx.fn, made, ctx.analysis.positions, 10**9) if made and hasattr(ctx, "analysis") else None
+        if sizes is not None:
+            return len(sizes)
+    return None
+
+
+def _untranspose(ctx: Context, kt: Expr, product: Expr, ranks: Ranks, scores_rank=None):
     """(k, None) when `kt` is k with its last two dims swapped; (k, reason) when it is only if k has a
-    rank the source does not show; (None, None) when it is not a transpose at all."""
+    rank the source does not show; (None, None) when it is not a transpose at all.  Scores checked to
+    be n-D show it for `q @ k.transpose(n - 2, n - 1)`: k must have n dims for that transpose, and
+    the product has no more than k."""
     if kt.op == "." and kt.value == "mT" and kt.args:
         return kt.args[0], None
     if kt.op == ".permute" and len(kt.args) > 2:
@@ -321,7 +341,7 @@ def _untranspose(ctx: Context, kt: Expr, product: Expr, ranks: Ranks):
     if product.op != "@" and (d0, d1) == (1, 2):         # bmm takes 3-D tensors: dims 1, 2 are the last two
         return k, None
     known = _rank(ctx, k, ranks)
-    if known == d1 + 1:
+    if known == d1 + 1 or known is None and product.op == "@" and scores_rank == d1 + 1:
         return k, None
     if known is None:
         return k, (f"k.transpose({d0}, {d1}) is k^T only when k is {d1 + 1}-D, and the source does not show "
@@ -388,12 +408,6 @@ def _number(ctx: Context, e: Expr, depth: int = 0):
     return None
 
 
-def _cst_walk(node):
-    yield node
-    for child in node.children:
-        yield from _cst_walk(child)
-
-
 def _lines(parts: Parts) -> tuple[list[Node], dict]:
     """The replacement line and the bindings it uses."""
     env = {"$q": parts.q, "$k": parts.k, "$v": parts.v}
@@ -403,7 +417,11 @@ def _lines(parts: Parts) -> tuple[list[Node], dict]:
     if parts.keep:
         env["$keep"] = parts.keep[0] if len(parts.keep) == 1 else Expr("operator.and_", parts.keep)
     guard = parts.masks[0] if len(parts.masks) == 1 and parts.masks[0].op == "guard" else None
-    if guard is not None and parts.keep:   # an optional mask and a keep-mask: both when there is one
+    if len(parts.masks) == 2 and all(m.op == "guard" for m in parts.masks):   # two optional masks: their sum
+        for i, g in enumerate(reversed(parts.masks), 1):
+            env[f"$m{i}"], env[f"$t{i}"] = g.args[0], Expr("leaf", value=("var", g.value[1]), reads={g.value[1]})
+        kwargs.append(("attn_mask", Opaque("$m1 if $t2 is None else $m2 if $t1 is None else $m1 + $m2")))
+    elif guard is not None and parts.keep:   # an optional mask and a keep-mask: both when there is one
         env["$mask"], env["$test"] = guard.args[0], Expr("leaf", value=("var", guard.value[1]), reads={guard.value[1]})
         kwargs.append(("attn_mask", Opaque('torch.where($keep, $mask, float("-inf")) if $test is not None else $keep')))
     elif parts.masks and parts.keep:     # masked_fill(-inf) then + mask: the mask where kept, -inf elsewhere
@@ -419,7 +437,15 @@ def _lines(parts: Parts) -> tuple[list[Node], dict]:
     scale = parts.scale
     env["$scale"] = scale[0] if len(scale) == 1 else Expr("*", scale) if scale else const(1.0)
     kwargs.append(("scale", Var("$scale")))
-    return [Node(SDPA, (Var("$q"), Var("$k"), Var("$v")), tuple(kwargs))], env
+    if not parts.batch:
+        return [Node(SDPA, (Var("$q"), Var("$k"), Var("$v")), tuple(kwargs))], env
+    # 3-D q, k, v whose scores take their masks through a view (b * h, t, k) -> (b, h, t, k): split
+    # dim 0 the same way, attend in that shape, and merge the dims back
+    sizes = Tuple(tuple(Var(f"$b{i}") for i in range(len(parts.batch))))
+    env.update({f"$b{i}": b for i, b in enumerate(parts.batch)})
+    split = [Node(".unflatten", (Var(f"${x}"), Const(0), sizes), out=Var(f"%{x}")) for x in "qkv"]
+    attend = Node(SDPA, (Var("%q"), Var("%k"), Var("%v")), tuple(kwargs), out=Var("%o"))
+    return split + [attend, Node(".flatten", (Var("%o"), Const(0), Const(len(parts.batch) - 1)))], env
 
 
 def find_sdpa(ctx: Context, node: Node, raw: Expr, tree: Expr):

@@ -19,6 +19,8 @@ import libcst as cst
 
 from kiln.adopt.analysis import Function
 from kiln.adopt.dsl import Const, Node, Opaque, Tuple, Var
+from kiln.adopt.expr import Expr
+from kiln.adopt.shapes import view_round_trip, view_sizes
 from kiln.adopt.structural import Context, _reads, _returns, code_of, flat
 
 # q @ k^T in its other spellings; the softmax input is traced back to one of these
@@ -38,6 +40,8 @@ _BLOCKERS = {"torch.max": "the scores are clamped", "torch.maximum": "the scores
              "torch.baddbmm": "the scores come from baddbmm (a bias added inside the product)",
              ".baddbmm": "the scores come from baddbmm (a bias added inside the product)",
              "torch.einsum": "the scores come from einsum"}
+_NEG_INF = {'float("-inf")', "float('-inf')", '-float("inf")', "-float('inf')", "-math.inf", "-torch.inf",
+            "-numpy.inf", "-np.inf", "float('-Inf')", 'float("-Inf")'}
 
 
 def sdpa_locations(ctx: Context) -> list[tuple[int, int, str]]:
@@ -62,6 +66,9 @@ def sdpa_locations(ctx: Context) -> list[tuple[int, int, str]]:
         reasons = sorted(blockers, key=lambda b: (not b[2], b[0]))
         why = (f"{reasons[0][1]} (line {reasons[0][0]})" if reasons else
                "the attention is written in a form the rewrite does not take apart")
+        if not reasons or not reasons[0][2]:
+            # only blockers an explicit path could keep: the split was tried, and says what stopped it
+            why = next((r for line, r in sorted(ctx.split_reasons.items()) if node.line <= line <= end.line), why)
         found.append((min(start.line, node.line), max(end.line, node.line), why))
     return found
 
@@ -147,11 +154,27 @@ def _trace_scores(ctx: Context, operand, blockers: list, seen: set, depth: int =
     node = fn.defs.get(value)
     if node is None:
         return None
+    hit = _trace_step(ctx, node, blockers, seen, depth)
+    if hit is not None and value in fn.mutated:
+        blockers.append((min(fn.mutated[value]), f"the scores `{value.split(':')[0]}` are modified in place", True))
+    return hit
+
+
+def _trace_step(ctx: Context, node: Node, blockers: list, seen: set, depth: int):
+    fn = ctx.fn
     if node.op in _SCORE_PRODUCTS and len(_tensor_vars(node)) + sum(
             not isinstance(a, (Var, Const)) for a in node.args) >= 2:
         if node.op in _BLOCKERS:
             blockers.append((node.line, _BLOCKERS[node.op], True))
         return node
+    trip = _round_trip(ctx, node)
+    if trip is not None:             # `(s.view(b, h, t, k) + m).view(b * h, t, k)`: s plus a mask
+        inner, why = trip
+        seen.add(("round trip", inner))      # its first view is no blocker of its own
+        hit = _trace_scores(ctx, node.args[0], blockers, seen, depth + 1)
+        if hit is not None and why:
+            blockers.append((node.line, why, True))
+        return hit
     helper = ctx.functions.get(node.op)
     helper = helper if helper is not None and _mask_like(helper) else None
     if node.op not in _SCORE_STEPS and helper is None:
@@ -162,10 +185,50 @@ def _trace_scores(ctx: Context, operand, blockers: list, seen: set, depth: int =
             if helper is not None:       # a mask or bias added by a helper the rewrite cannot see into
                 blockers.append((node.line, f"the scores go through `{node.op}(...)`, whose effect on them "
                                             f"the rewrite cannot see", True))
-            elif node.op in _BLOCKERS:
+            elif node.op in _BLOCKERS and not (node.out is not None and ("round trip", node.out.name) in seen):
                 blockers.append((node.line, _BLOCKERS[node.op], True))
+            fill = _fill(node, v)
+            if fill is not None:
+                e = ctx.normalize(ctx.builder.operand(fill))
+                if not neg_inf(e):
+                    blockers.append((node.line, finite_fill(e), True))
             return hit
     return None
+
+
+def _fill(node: Node, scores: str):
+    """The value `masked_fill(s, cond, value)` / `torch.where(cond, s, value)` puts where s is masked."""
+    if node.op in (".masked_fill", "torch.masked_fill") and len(node.args) == 3 and node.args[0] == Var(scores):
+        return node.args[2]
+    if node.op == "torch.where" and len(node.args) == 3:
+        return node.args[2] if node.args[1] == Var(scores) else node.args[1] if node.args[2] == Var(scores) else None
+    return None
+
+
+def _round_trip(ctx: Context, node: Node):
+    """(the first view's value, None or why not) when `node` is the view back of `(s.view(...) + m).view(...)`
+    (with clamps or fills in between: those are blockers of their own)."""
+    fn = ctx.fn
+    if node.op not in (".view", ".reshape") or not node.args or not isinstance(node.args[0], Var) \
+            or not hasattr(ctx, "analysis"):
+        return None
+    step, views = fn.defs.get(node.args[0].name), []
+    for _ in range(4):              # back from the view to the `+` of the mask, through clamps and fills
+        if step is None or step.op not in _SCORE_STEPS or step.op in (".view", ".reshape"):
+            return None
+        views = [fn.defs.get(a.name) for a in step.args if isinstance(a, Var)]
+        views = [v for v in views if v is not None and v.op == node.op and v.args and isinstance(v.args[0], Var)]
+        if step.op == "+" and len(views) == 1:
+            break
+        step = next((fn.defs.get(a.name) for a in step.args[:1] if isinstance(a, Var)), None)
+    if len(views) != 1 or views[0].out is None:
+        return None
+    scores = views[0].args[0].name
+    phi = fn.phis.get(scores)      # the mask before went through a view and back too: both paths must hold
+    paths = [(p, view_sizes(fn, fn.defs[p].cst) if p in fn.defs and fn.defs[p].op == node.op else None)
+             for p in ((phi.before, phi.inner) if phi is not None else (scores,))]
+    whys = [view_round_trip(fn, views[0].cst, node.cst, p, ctx.analysis.positions, viewed) for p, viewed in paths]
+    return views[0].out.name, next((w for w in whys if w), None)
 
 
 def _trace_probs(fn: Function, value: str, blockers: list, seen: set, depth: int = 0, transposed: bool = False):
@@ -234,3 +297,33 @@ def _mask_like(helper: Function) -> bool:
         if isinstance(value, Opaque) and first in value.code and " if " in value.code and "+" in value.code:
             return True                  # `s if m is None else s + m`
     return False
+
+
+def expr_text(e: Expr) -> str:
+    if e.op in (".view", ".reshape") and e.src is not None:
+        return code_of(e.src)
+    if e.op == "const":
+        return repr(e.value)
+    if e.var:
+        return e.var.split(":")[0]
+    if e.src is not None:
+        return code_of(e.src)
+    if e.op == "leaf":
+        return str(e.value[1]).split(":")[0]
+    return e.op
+
+
+def neg_inf(e: Expr) -> bool:
+    if e.op == "const":
+        return e.value == float("-inf")
+    if e.op == "leaf" and e.value[0] == "opaque":
+        return "".join(e.value[1].split()) in {s.replace(" ", "") for s in _NEG_INF}
+    if e.op == "*" and len(e.args) == 2 and e.args[0].is_num() and e.args[0].value == -1.0:   # -float("inf")
+        inner = e.args[1]
+        return inner.op == "float" and inner.args and inner.args[0].op == "const" and inner.args[0].value == "inf"
+    return e.op == "float" and len(e.args) == 1 and e.args[0].op == "const" and e.args[0].value in ("-inf", "-Inf")
+
+
+def finite_fill(fill: Expr) -> str:
+    return (f"the scores are masked with `{expr_text(fill)}` rather than -inf: a boolean attention mask would differ "
+            f"in rows where every key is masked")

@@ -32,9 +32,10 @@ import libcst as cst
 
 from kiln.adopt.attention import PRODUCTS, AttentionBuilder, _lines, take_apart
 from kiln.adopt.detect import StatementRewrite
+from kiln.adopt.dsl import Const
 from kiln.adopt.expr import Expr
 from kiln.adopt.shapes import Ranks
-from kiln.adopt.structural import Context, code_of
+from kiln.adopt.structural import Context, _cst_walk, _versions_read, code_of, is_check
 
 _PLAIN = (cst.Name, cst.Attribute, cst.Comparison, cst.BooleanOperation, cst.UnaryOperation, cst.SimpleString,
           cst.Integer, cst.Float, cst.Tuple, cst.List, cst.Element, cst.ComparisonTarget, cst.LeftParen,
@@ -44,16 +45,19 @@ _PLAIN = (cst.Name, cst.Attribute, cst.Comparison, cst.BooleanOperation, cst.Una
 
 
 class _TakenAsFalse(AttentionBuilder):
-    """Trees of the attention when the `if`s of `skip` (phi values) are not entered."""
+    """Trees of the attention when the `if`s of `skip` (phi values) are not entered and the `if`/`else`s
+    of `taken` (merged value -> its version at the end of the `else`) take their `else`.  Size checks
+    inside `if mask is not None:` are allowed: the split keeps them on both paths."""
 
-    def __init__(self, ctx: Context, block, skip: set):
+    def __init__(self, ctx: Context, block, skip: set, taken: dict):
         super().__init__(ctx, block, shared=True)
-        self.skip = skip
+        self.skip, self.taken = skip, taken
+        self.checks_ok = True
 
     def value(self, name: str) -> Expr:
-        if name in self.skip:
+        if name in self.skip or name in self.taken:
             if name not in self.cache:
-                self.cache[name] = self.value(self.fn.phis[name].before)
+                self.cache[name] = self.value(self.taken[name] if name in self.taken else self.fn.phis[name].before)
             return self.cache[name]
         return super().value(name)
 
@@ -88,7 +92,9 @@ def explicit_splits(ctx: Context, spell) -> list[StatementRewrite]:
         if node.op in PRODUCTS and node.stmt is not None and len(node.args) == 2 and node.stmt.target \
                 and not kept_explicit(ctx.fn, node.stmt.line_node):
             plan = _split(ctx, node, spell)
-            if plan is not None and not any(p.first_line <= plan.last_line and plan.first_line <= p.last_line
+            if isinstance(plan, str):       # why not: attention_flow reports it where nothing else blocks
+                ctx.split_reasons[node.line] = plan
+            elif plan is not None and not any(p.first_line <= plan.last_line and plan.first_line <= p.last_line
                                             for p in out):
                 out.append(plan)
     return out
@@ -101,29 +107,38 @@ def _split(ctx: Context, node, spell):
     if body is None or block.keyword in ("for", "while"):
         return None
     skip: set = set()
+    taken: dict = {}
     ranks = Ranks(ctx.functions)
-    for _ in range(6):          # take as not entered each `if` that changes the scores or probabilities
-        builder = _TakenAsFalse(ctx, block, skip)
+    for _ in range(8):          # take as not entered each `if` that changes the scores or probabilities
+        builder = _TakenAsFalse(ctx, block, skip, taken)
         raw = builder.node(node)
         found = take_apart(ctx, ctx.normalize(raw), ranks)
         if found is not None:
             break
-        more = {v for v in _leaf_vars(raw) if v in fn.phis and v not in skip and fn.phis[v].before
+        leaves = set(_leaf_vars(raw))
+        more = {v for v in leaves if v in fn.phis and v not in skip and fn.phis[v].before
                 and fn.phis[v].if_cst in body and _on_chain(builder, fn.phis[v].before)}
-        if not more:
+        other = {v: fn.branches[v][2] for v in leaves if v in fn.branches and v not in taken
+                 and fn.branches[v][0] in body and _constant_else(fn.branches[v][0], v)
+                 and fn.branches[v][2] and _on_chain(builder, fn.branches[v][2])}
+        if not more and not other:
             return None
         skip |= more
+        taken.update(other)
     else:
         return None
     parts, reason = found
     if reason is not None:
-        return None
+        return reason
     # the run starts at the scores: q, k, v, masks and scale are operands, made before it or not
     bound = set().union(*(e.vars for e in [parts.q, parts.k, parts.v, *parts.masks, *parts.keep, *parts.scale,
-                                          *[d for d in parts.dropout.values() if d is not None]]))
+                                          *[d for d in parts.dropout.values() if d is not None],
+                                          *[a for x in raw.walk() if x.op in (".view", ".reshape") for a in x.args[1:]]]))
     stmts = [fn.defs[v].stmt for v in raw.vars - bound if v in fn.defs and fn.defs[v].stmt is not None]
+    branch_ifs = [fn.branches[v][0] for v in taken]
+    guards = [p.if_cst for p in builder.phis.values()]
     tops = [s.line_node for s in stmts if s.line_node in body] + [fn.phis[v].if_cst for v in skip] \
-        + [p.if_cst for p in builder.phis.values()] + [node.stmt.line_node]
+        + guards + branch_ifs + [node.stmt.line_node]
     last = body.index(node.stmt.line_node)
     first = min(body.index(t) for t in tops if t in body)
     region = body[first:last + 1]
@@ -135,25 +150,61 @@ def _split(ctx: Context, node, spell):
          any(lo <= fn.defs[p].line <= hi for p in preds if p in fn.defs)}
     start_env = min((n.stmt for n in fn.nodes if n.stmt is not None and n.stmt.line >= lo),
                     key=lambda s: s.line).env
-    tests = [code_of(fn.phis[v].if_cst.test) for v in sorted(skip, key=lambda v: positions[fn.phis[v].if_cst].start.line)]
-    if not all(_plain(fn.phis[v].if_cst.test, fn, inside, start_env) for v in skip):
-        return None
-    later = _later_reads(fn, ctx.analysis, hi, inside, node.stmt.target, start_env)
-    if later is None:
-        return None
+    ifs = sorted([fn.phis[v].if_cst for v in skip] + branch_ifs, key=lambda i: positions[i].start.line)
+    tests = list(dict.fromkeys(code_of(i.test) for i in ifs))
+    for i in ifs:
+        if not _plain(i.test, fn, inside, start_env):
+            return (f"the test `{code_of(i.test)}` (line {positions[i].start.line}) would have to choose the explicit "
+                    f"path before the attention, and it is not a plain test of values set before it")
+    # on the fast path, in order: the size checks of the operands (those of the scores go with the
+    # scores), statements that compute operands from values made before the attention (shapes), the
+    # attention, and the constants of the `else`s taken; statements whose values nothing reads are dropped
+    kept, kept_values, fast_env = [], set(), dict(start_env)
+    for stmt in region:
+        made = {v for v, st in fn.def_stmt.items() if st is not None and st.line_node is stmt}
+        keep = None
+        if stmt in tops:
+            if stmt in guards and any(is_check(c) for c in stmt.body.body):
+                keep = stmt.with_changes(body=stmt.body.with_changes(body=[c for c in stmt.body.body if is_check(c)]))
+        elif is_check(stmt):
+            keep = None if _versions_read(fn, stmt) & inside else stmt
+        elif made and not any(fn.uses[v] for v in made) and _pure(fn, stmt):
+            continue
+        elif made and isinstance(stmt, cst.SimpleStatementLine) and not _versions_read(fn, stmt) & inside \
+                and _pure(fn, stmt) and all(isinstance(x, cst.Assign) for x in stmt.body):
+            keep = stmt
+        else:
+            return (f"`{_short(code_of(stmt.with_changes(leading_lines=[])))}` (line {positions[stmt].start.line}) "
+                    f"runs among the attention's statements and is not part of it")
+        if keep is not None:
+            if not _visible(keep, fn, fast_env):
+                return f"`{_short(code_of(keep))}` reads values set among the attention's statements"
+            kept.append(keep.with_changes(leading_lines=[]))
+            if keep is stmt and not is_check(stmt):
+                kept_values |= made
+                fast_env.update({v.split(":")[0]: v for v in made})
+    inside -= kept_values
+    constants = {v for v, (i, _, _) in fn.branches.items() if i in branch_ifs and v.split(":")[0] in
+                 {t.target.value for a in i.orelse.body.body for x in a.body for t in x.targets}}
+    later = _later_reads(fn, ctx.analysis, hi, inside, node.stmt.target, start_env, constants)
+    if isinstance(later, str):
+        return later
     needed_tests, none_names = later
     tests += [t for t in needed_tests if t not in tests]
     if not tests:
         return None               # nothing needs the explicit path: the plain rewrite applies
-    call = _sdpa_code(ctx, node, raw, parts, inside, start_env, spell)
-    if call is None:
-        return None
+    call = _sdpa_code(ctx, node, raw, parts, inside, fast_env, spell)
+    if call.startswith("!"):
+        return call[1:]
     module = ctx.analysis.module
     indent = module.default_indent
     head = region[0].with_changes(leading_lines=[])      # its comments stay before the `if`
     explicit = "".join(module.code_for_node(s) for s in [head, *region[1:]])
     line = node.stmt.line_node.deep_replace(node.cst, cst.parse_expression(call)).with_changes(leading_lines=[])
-    fast = module.code_for_node(line) + "".join(f"{n} = None\n" for n in sorted(none_names))
+    fast = "".join(module.code_for_node(c) for c in kept) + module.code_for_node(line)
+    fast += "".join(module.code_for_node(a.with_changes(leading_lines=[]))
+                    for i in dict.fromkeys(branch_ifs) for a in i.orelse.body.body)
+    fast += "".join(f"{n} = None\n" for n in sorted(none_names))
     cond = " or ".join(t if len(tests) == 1 or _atomic(t) else f"({t})" for t in tests)
     code = f"if {cond}:  # {MARK}\n{_indent(explicit, indent)}else:\n{_indent(fast, indent)}"
     try:
@@ -162,6 +213,46 @@ def _split(ctx: Context, node, spell):
         return None
     return StatementRewrite(lo, positions[node.stmt.line_node].end.line, {id(region[0]): (region[0], code)},
                             list(region[1:]), set(), drop=True, leading=list(region[0].leading_lines))
+
+
+def _constant_else(if_cst, value: str) -> bool:
+    """`if test: ... else: a = None` (the `else` only assigns constants, and not to `value`'s name)."""
+    orelse = if_cst.orelse
+    if not isinstance(orelse, cst.Else) or not isinstance(orelse.body, cst.IndentedBlock):
+        return False
+    for s in orelse.body.body:
+        if not isinstance(s, cst.SimpleStatementLine) or not all(
+                isinstance(x, cst.Assign) and len(x.targets) == 1 and isinstance(x.targets[0].target, cst.Name)
+                and x.targets[0].target.value != value.split(":")[0]
+                and isinstance(x.value, (cst.Name, cst.Integer, cst.Float, cst.SimpleString))
+                and (not isinstance(x.value, cst.Name) or x.value.value in ("None", "True", "False"))
+                for x in s.body):
+            return False
+    return True
+
+
+def _pure(fn, stmt) -> bool:
+    """Does the statement only compute (no module calls, nothing changed in place, no stores)?"""
+    nodes = [n for n in fn.nodes if n.stmt is not None and n.stmt.line_node is stmt]
+    names_only = all(isinstance(x, cst.Assign) and all(_names_only(t.target) for t in x.targets)
+                     for x in getattr(stmt, "body", ()))
+    return all(n.module is None and n.op != "call" and (n.op != "store" or names_only)
+               and not (n.op.startswith(".") and n.op.endswith("_") and not n.op.endswith("__"))
+               for n in nodes) and not any(fn.def_stmt.get(v) is not None and fn.def_stmt[v].line_node is stmt
+                                           for v in fn.mutated)
+
+
+def _names_only(target) -> bool:
+    """`a` or `a, (b, c)`: names, not attributes or items (a store into those changes something)."""
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return all(_names_only(el.value) for el in target.elements)
+    return isinstance(target, cst.Name)
+
+
+def _visible(stmt, fn, env: dict) -> bool:
+    """Does every local name `stmt` reads hold, at the start of the run, the value it reads here?"""
+    return all(env.get(n.value) == fn.name_version[id(n)] for n in _cst_walk(stmt)
+               if isinstance(n, cst.Name) and id(n) in fn.name_version and n.value in fn.local_names)
 
 
 def _body_of(fn_cst, line_node):
@@ -181,9 +272,22 @@ def _leaf_vars(e: Expr):
             yield x.value[1]
 
 
-def _on_chain(builder, value: str) -> bool:
-    """Does this value come from a q @ k^T product or a softmax (the scores or the probabilities)?"""
-    return any(x.op in PRODUCTS or x.op == "softmax" for x in builder.value(value).walk())
+def _on_chain(builder, value: str, depth: int = 0) -> bool:
+    """Does this value come from a q @ k^T product or a softmax (the scores or the probabilities),
+    directly or through the `if`s before it?"""
+    fn = builder.fn
+    if depth > 8:
+        return False
+    if any(x.op in PRODUCTS or x.op == "softmax" for x in builder.value(value).walk()):
+        return True
+    phi = fn.phis.get(value)
+    preds = [phi.before, phi.inner] if phi is not None else sorted(fn.merges.get(value, ()))
+    return any(p and _on_chain(builder, p, depth + 1) for p in preds)
+
+
+def _short(code: str, width: int = 60) -> str:
+    code = " ".join(code.split())
+    return code if len(code) <= width else code[:width - 3] + "..."
 
 
 def _atomic(test: str) -> bool:
@@ -212,23 +316,34 @@ def _plain(test, fn, inside: set, env: dict) -> bool:
     return True
 
 
-def _later_reads(fn, analysis, after: int, inside: set, output: str, env: dict):
-    """(tests, names) when every read after line `after` of a value the run defines is the output or
-    sits under a plain test (the branch that needs the explicit path); None otherwise."""
+def _later_reads(fn, analysis, after: int, inside: set, output: str, env: dict, constants: set = frozenset()):
+    """(tests, names) when every read after line `after` of a value the run defines is the output, a
+    constant an `else` taken assigns, or sits under a plain test (the branch that needs the explicit
+    path); otherwise why not.  A value that later `if`s may carry on (`if not output_attentions:
+    probs = None`) counts as read where those later versions are read: under `output_attentions`
+    there, which is when it is not None."""
     tests, names = [], set()
-    ok = True
+    ok: bool | str = True
+    carried = _carried(fn, inside - {output} - constants)
 
     def visit(n, conds, parent=None):
         nonlocal ok
-        if not ok:
+        if ok is not True:
             return
         if isinstance(n, cst.Name) and analysis.positions[n].start.line > after:
             version = fn.name_version.get(id(n))
-            if version in inside and version != output:
+            if version in carried and version not in inside:
+                test = _none_unless(fn, version)
+                if test is not None and _plain(fn.phis[version].if_cst.test, fn, inside, env):
+                    if test not in tests:
+                        tests.append(test)
+                    return
+            if (version in inside or version in carried) and version != output and version not in constants:
                 test = next((c for c in reversed(conds) if c is not None), None)
                 # given back as it is (`(out, probs)`, `return probs`), and only under a test
                 if test is None or not isinstance(parent, (cst.Element, cst.Return, cst.Assign, cst.AugAssign)):
-                    ok = False
+                    ok = (f"`{n.value}`, set among the attention's statements, is read at line "
+                          f"{analysis.positions[n].start.line} where no test could keep the explicit path")
                     return
                 names.add(n.value)
                 if code_of(test) not in tests:
@@ -248,7 +363,34 @@ def _later_reads(fn, analysis, after: int, inside: set, output: str, env: dict):
         for child in n.children:
             visit(child, conds, n)
     visit(fn.cst.body, [])
-    return (tests, names) if ok else None
+    return (tests, names) if ok is True else ok
+
+
+def _carried(fn, values: set) -> set:
+    """`values` and the versions after later `if`s and `if`/`else`s that may hold one of them."""
+    out, grew = set(values), True
+    while grew:
+        grew = False
+        for v, phi in fn.phis.items():
+            if v not in out and (phi.before in out or phi.inner in out):
+                out.add(v)
+                grew = True
+        for v, preds in fn.merges.items():
+            if v not in out and preds & out:
+                out.add(v)
+                grew = True
+    return out
+
+
+def _none_unless(fn, version: str) -> str | None:
+    """T for a value after `if not T: x = None` (None unless T), else None."""
+    phi = fn.phis.get(version)
+    inner = fn.defs.get(phi.inner) if phi is not None else None
+    test = phi.if_cst.test if phi is not None else None
+    if inner is None or inner.op != "=" or inner.args != (Const(None),) \
+            or not (isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not)):
+        return None
+    return code_of(test.expression)
 
 
 def _sdpa_code(ctx: Context, node, raw, parts, inside: set, env: dict, spell):
@@ -264,5 +406,7 @@ def _sdpa_code(ctx: Context, node, raw, parts, inside: set, env: dict, spell):
     try:
         texts = {name: plan.source_of(e, name) for name, e in bindings.items() if isinstance(e, Expr)}
         return render(lines, texts, spell)
-    except (Refusal, KeyError):
-        return None
+    except Refusal as exc:
+        return f"!{exc}"
+    except KeyError as exc:
+        return f"!the scaled_dot_product_attention call cannot be written ({exc} is not known where it goes)"

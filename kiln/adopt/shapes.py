@@ -7,13 +7,19 @@ that many arguments, a constructor in `__init__` (`torch.zeros((B, T, H, D))` fo
 ops (transpose, casts, `contiguous`, arithmetic with numbers), `a, b, c = x.unbind(0)`, and the
 `return`s of a module-level helper (`repeat_kv(x, n)`: `return x` or `return y.reshape(b, s, h, d)`).
 Anything else is unknown (None): the caller then does not rely on the number.
+
+The sizes themselves are known where the source checks them: after `if s.size() != (b * h, t, k):
+raise ...` (in the block that made `s`), `s` has those sizes (`asserted`); `view_sizes` reads the sizes
+a `.view(...)` call names.  Both are normalized trees over value versions, so `bsz * self.num_heads`
+in a check and in a view compare equal.
 """
 from __future__ import annotations
 
 import libcst as cst
 
 from kiln.adopt.dsl import Attr, Const, Item, Node, Opaque, Tuple, Var
-from kiln.adopt.structural import _returns
+from kiln.adopt.expr import Expr, const, normalize
+from kiln.adopt.structural import _cst_walk, _returns, is_check
 
 _SAME_RANK = {"transpose", "to", ".contiguous", ".float", ".half", ".type_as", "dropout", ".clone", ".detach",
               "neg", "tanh", "sigmoid", "torch.nn.Dropout", "=", ".masked_fill", "softmax", ".expand_as"}
@@ -146,3 +152,102 @@ def _cst_rank(expr, resolver) -> int | None:
     if name in ("torch.tril", "torch.triu") and expr.args:
         return _cst_rank(expr.args[0].value, resolver)
     return None
+
+
+# -- sizes the source states ------------------------------------------------------------------------
+
+_SIZE_OPS = {cst.Multiply: "*", cst.Add: "+", cst.Subtract: "-", cst.FloorDivide: "//"}
+
+
+def size_tree(fn, node) -> Expr | None:
+    """A size expression (`bsz * self.num_heads`, `tgt_len`, `-1`) as a normalized tree, names read
+    by their version; None for anything else (calls, subscripts, starred shapes)."""
+    def tree(n):
+        if isinstance(n, cst.Name):
+            version = fn.name_version.get(id(n))
+            return Expr("leaf", value=("var", version) if version else ("ref", n.value))
+        if isinstance(n, cst.Attribute):
+            base = tree(n.value)
+            return None if base is None else Expr(".", [base], value=n.attr.value)
+        if isinstance(n, cst.Integer):
+            return const(int(n.value, 0))
+        if isinstance(n, cst.UnaryOperation) and isinstance(n.operator, cst.Minus):
+            inner = tree(n.expression)
+            return None if inner is None else Expr("neg", [inner])
+        if isinstance(n, cst.BinaryOperation) and type(n.operator) in _SIZE_OPS:
+            left, right = tree(n.left), tree(n.right)
+            return None if left is None or right is None else Expr(_SIZE_OPS[type(n.operator)], [left, right])
+        return None
+    e = tree(node)
+    return normalize(e) if e is not None else None
+
+
+def view_sizes(fn, call) -> list | None:
+    """The sizes `x.view(a, b, c)` / `x.reshape((a, b, c))` names (a libcst Call), or None."""
+    if not isinstance(call, cst.Call) or any(a.keyword is not None or a.star for a in call.args):
+        return None
+    args = [a.value for a in call.args]
+    if len(args) == 1 and isinstance(args[0], (cst.Tuple, cst.List)):
+        args = [el.value for el in args[0].elements]
+    sizes = [size_tree(fn, a) for a in args]
+    return None if any(x is None for x in sizes) else sizes
+
+
+def asserted(fn, value: str, positions, before: int) -> list | None:
+    """The sizes of `value` as a check before line `before` states them: `if value.size() != (...):
+    raise ...` (or `.shape`), in the block that defines `value`, so it runs whenever value exists."""
+    made = fn.def_stmt.get(value)
+    if made is None:
+        return None
+    suite = _suite_of(fn.cst, made.line_node)
+    for stmt in getattr(suite, "body", ()):
+        if not is_check(stmt) or positions[stmt].start.line >= before:
+            continue
+        test = stmt.test
+        if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1
+                and isinstance(test.comparisons[0].operator, cst.NotEqual)
+                and isinstance(test.comparisons[0].comparator, (cst.Tuple, cst.List))):
+            continue
+        left = test.left
+        if isinstance(left, cst.Call) and not left.args and isinstance(left.func, cst.Attribute) \
+                and left.func.attr.value == "size":
+            left = left.func.value
+        elif isinstance(left, cst.Attribute) and left.attr.value == "shape":
+            left = left.value
+        else:
+            continue
+        if isinstance(left, cst.Name) and fn.name_version.get(id(left)) == value:
+            sizes = [size_tree(fn, el.value) for el in test.comparisons[0].comparator.elements]
+            if all(x is not None for x in sizes):
+                return sizes
+    return None
+
+
+def _suite_of(fn_cst, line_node):
+    for n in _cst_walk(fn_cst):
+        if isinstance(n, cst.IndentedBlock) and any(s is line_node for s in n.body):
+            return n
+    return None
+
+
+def view_round_trip(fn, there, back, scores: str | None, positions, viewed=None) -> str | None:
+    """Why `(s.view(*there) + m).view(*back)` (libcst Calls `there` and `back`; `scores` is s's value,
+    `viewed` the sizes s was itself viewed to, if it was) is not just s with a mask added after
+    splitting its first dimension, or None when it is: `back` names the sizes a check states for s,
+    and `there` splits the first of them and keeps the last two."""
+    a, b = view_sizes(fn, there), view_sizes(fn, back)
+    text = _code(there)
+    if a is None or b is None or len(b) != 3 or len(a) < 4 or [x.key for x in a[-2:]] != [x.key for x in b[-2:]] \
+            or normalize(Expr("*", a[:-2])).key != b[0].key:
+        return f"the scores are reshaped (`{text}`) in a way other than splitting their first dimension"
+    if viewed is not None and [x.key for x in viewed] == [x.key for x in b]:
+        return None                  # viewed back already (a mask added through a view before)
+    shape = asserted(fn, scores, positions, positions[there].start.line) if scores else None
+    if shape is None or [x.key for x in shape] != [x.key for x in b]:
+        return (f"the scores are viewed as `{text}` to add a mask, and no check before it shows that they "
+                f"have the sizes of `{_code(back)}`")
+    return None
+
+
+def _code(node) -> str:
+    return " ".join(cst.Module(body=[]).code_for_node(node).split())

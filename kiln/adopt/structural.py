@@ -12,6 +12,7 @@ dropout_add_layernorm, fused_qkv, linear_cross_entropy) live in `detect.py`.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -49,6 +50,7 @@ class Context:
         self.configs = configs          # ConfigDefaults of the file (config field defaults), or None
         self.functions = {f.name: f for f in functions if f.cls is None}    # module-level helpers
         self._phi_builder = None
+        self.split_reasons: dict = {}   # sdpa: line of a product with v -> why no split applies there
 
     def phi_builder(self) -> "GuardBuilder":
         if self._phi_builder is None:
@@ -79,6 +81,7 @@ class GuardBuilder(TreeBuilder):
         self.fn = fn
         self.forced: set = set()
         self.phis: dict = {}         # phi value -> Phi, for those folded
+        self.checks_ok = False       # fold `if m is not None:` with size checks in it (the split keeps them)
 
     def _inline(self, name: str) -> bool:
         return self.fn.inlinable(name) or name in self.forced
@@ -88,17 +91,30 @@ class GuardBuilder(TreeBuilder):
         if phi is not None and name not in self.cache:
             guarded = self._guarded(phi)
             if guarded is not None:
-                before, mask, test = guarded
+                before, mask, test, views = guarded
                 self.forced.add(before)
-                e = Expr("+", [self.value(before), Expr("guard", [self.operand(mask)], value=test)])
-                e.set_origin(None, name)
+                scores = self.value(before)
+                if views is not None:       # `s = s.view(a) + m; s = s.view(b)`: the mask added to a view
+                    inner, outer = views
+                    scores = self._view(inner, scores)
+                e = Expr("+", [scores, Expr("guard", [self.operand(mask)], value=test)])
+                if views is not None:
+                    e = self._view(outer, e)
+                e.set_origin(e.src, name)
                 self.cache[name] = e
                 self.phis[name] = phi
                 return e
         return super().value(name)
 
+    def _view(self, node, base: Expr) -> Expr:
+        e = Expr(node.op, [base] + [self.operand(a) for a in node.args[1:]], [(k, self.operand(v)) for k, v in node.kwargs])
+        e.set_origin(node.cst, None)
+        return e
+
     def _guarded(self, phi: Phi):
-        """(value before, mask operand, (tested name, its version)) for a foldable `if`, else None."""
+        """(value before, mask operand, (tested name, its version), views) for a foldable `if`, else
+        None; `views` is (the view of the scores, the view back) when the mask is added to a view of
+        the scores (`s = s.view(b, h, t, k) + m; s = s.view(b * h, t, k)`), else None."""
         fn = self.fn
         test = phi.if_cst.test
         # read once, after the `if` (or inside a following foldable `if` that forced it here)
@@ -118,17 +134,25 @@ class GuardBuilder(TreeBuilder):
                     or isinstance(x, cst.AugAssign) and isinstance(x.target, cst.Name)
                     and isinstance(x.operator, cst.AddAssign) and phi.before in fn.updated
                     for x in s.body)
+                # a size check of the mask stays with it (only a builder that keeps checks folds these)
+                or self.checks_ok and is_check(s) and phi.before not in _versions_read(fn, s)
                 for s in body.body):
             return None
         # every other name the `if` assigns is a temporary of the mask, unused after it
         for other in fn.phis.values():
             if other.if_cst is phi.if_cst and other is not phi and fn.uses[other.value]:
                 return None
-        add = fn.defs.get(phi.inner)
+        add, views = fn.defs.get(phi.inner), None
+        if add is not None and add.op in (".view", ".reshape") and add.args and isinstance(add.args[0], Var) \
+                and fn.inlinable(add.args[0].name):
+            views = add
+            add = fn.defs.get(add.args[0].name)
         if add is None or add.op != "+" or add.stmt is None or add.stmt.block is not phi.body:
             return None
+        own = {add.out.python_name} | ({views.out.python_name} if views is not None else set())
         if sum(1 for n in phi.body.items if isinstance(n, Node) and n.out is not None
-               and n.out.python_name == add.out.python_name) != 1 or fn.uses[phi.before] != 1 \
+               and n.out.python_name in own) != 1 + (views is not None) \
+                or fn.uses[phi.before] - self.check_reads[phi.before] != 1 \
                 or fn.uses[phi.inner]:      # the sum is read only after the `if`, through the phi
             return None
         for n in phi.body.items:     # anything else the `if` computes only feeds the mask
@@ -136,11 +160,53 @@ class GuardBuilder(TreeBuilder):
                     and not fn.inlinable(n.out.name):
                 return None
         a, b = add.args
-        mask = b if a == Var(phi.before) else a if b == Var(phi.before) else None
+        if views is not None:       # one term is a view of the scores, read only here
+            inner = [x for x in (a, b) if isinstance(x, Var) and fn.inlinable(x.name) and fn.defs.get(x.name)
+                     is not None and fn.defs[x.name].op == views.op and fn.defs[x.name].args[:1] == (Var(phi.before),)]
+            if len(inner) != 1:
+                return None
+            mask, views = (b if inner[0] == a else a), (fn.defs[inner[0].name], views)
+        else:
+            mask = b if a == Var(phi.before) else a if b == Var(phi.before) else None
         if mask is None or phi.inner in fn.mutated or phi.before in fn.mutated:
             return None
         name = test.left.value
-        return phi.before, mask, (name, phi.env[name])
+        return phi.before, mask, (name, phi.env[name]), views
+
+    @property
+    def check_reads(self) -> Counter:
+        """Reads by size checks, which a builder that keeps checks does not count as uses."""
+        return check_reads(self.fn) if self.checks_ok else Counter()
+
+
+def is_check(stmt) -> bool:
+    """`if <test>: raise ...` without else: a check that stops the run and computes nothing."""
+    return isinstance(stmt, cst.If) and stmt.orelse is None and isinstance(stmt.body, cst.IndentedBlock) \
+        and all(isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, cst.Raise) for x in s.body)
+                for s in stmt.body.body)
+
+
+def _versions_read(fn: Function, node) -> set:
+    return {fn.name_version[id(n)] for n in _cst_walk(node) if isinstance(n, cst.Name) and id(n) in fn.name_version}
+
+
+def check_reads(fn: Function) -> Counter:
+    """value -> how many of its reads are in size checks (`if s.size() != (...): raise ...`)."""
+    counts = getattr(fn, "_check_reads", None)
+    if counts is None:
+        counts = Counter()
+        for n in _cst_walk(fn.cst.body):
+            if is_check(n):
+                counts.update(fn.name_version[id(x)] for x in _cst_walk(n)
+                              if isinstance(x, cst.Name) and id(x) in fn.name_version)
+        fn._check_reads = counts
+    return counts
+
+
+def _cst_walk(node):
+    yield node
+    for child in node.children:
+        yield from _cst_walk(child)
 
 
 # ----------------------------------------------------------------------------------------------

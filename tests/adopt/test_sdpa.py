@@ -1,4 +1,6 @@
 """sdpa: hand-written attention -> F.scaled_dot_product_attention; forms, refusals, numerics."""
+import re
+
 import pytest
 import torch
 
@@ -324,22 +326,40 @@ def test_probabilities_returned_through_a_variable_are_reported():
     assert "    if module.output_attentions:  # kiln adopt" in new and "        attn_weights = None\n" in new
 
 
-def test_two_guarded_additions_are_reported_not_rewritten():
-    src = """\
-    import torch
-    from torch import nn
+GUARDED = """\
+import torch
+from torch import nn
 
 
-    def attend(module, query, key, value, attention_mask, scaling, position_bias=None):
-        attn_weights = torch.matmul(query, key.transpose(-2, -1)) * scaling
-        if position_bias is not None:
-            attn_weights = attn_weights + position_bias
-        if attention_mask is not None:
-            attn_weights = attn_weights + attention_mask
-        attn_weights = nn.functional.softmax(attn_weights, dim=-1)
-        return torch.matmul(attn_weights, value)
-    """
-    src, new, matches = rewrite(src)
+def attend(module, query, key, value, attention_mask, scaling, position_bias=None, extra=None):
+    attn_weights = torch.matmul(query, key.transpose(-2, -1)) * scaling
+    if position_bias is not None:
+        attn_weights = attn_weights + position_bias
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+{third}    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+    return torch.matmul(attn_weights, value)
+"""
+
+
+@pytest.mark.parametrize("bias, mask", [(False, False), (True, False), (False, True), (True, True)])
+def test_two_guarded_additions_are_one_mask(bias, mask):
+    src, new, matches = rewrite(GUARDED.replace("{third}", ""))
+    assert [(m.rule, m.applied) for m in matches] == [("sdpa", True)]
+    # one of them when the other is None, else their sum (either order: a + b is b + a in floating point)
+    assert re.search(r"attn_mask=(\w+) if (\w+) is None else \2 if \1 is None else (\1 \+ \2|\2 \+ \1),", new)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, requires_grad=True) for _ in range(3))
+    args = (torch.randn(2, 1, 5, 5) if mask else None, 0.5, torch.randn(1, 3, 5, 5) if bias else None)
+    ref, out = load(src, "o")["attend"](None, q, k, v, *args), load(new, "n")["attend"](None, q, k, v, *args)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(ref.sum(), (q, k, v)), torch.autograd.grad(out.sum(), (q, k, v))):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_three_guarded_additions_are_reported_not_rewritten():
+    third = "    if extra is not None:\n        attn_weights = attn_weights + extra\n"
+    src, new, matches = rewrite(GUARDED.replace("{third}", third))
     assert new == src
     assert [(m.rule, m.applied) for m in matches] == [("sdpa", False)]
     assert "together with other masks" in matches[0].reason

@@ -185,3 +185,39 @@ def test_a_timing_failure_keeps_the_comparison(monkeypatch, tmp_path, capsys):
     assert "kiln adopt: timing worker (after) exited with code 1: boom" in captured.err
     data = json.loads(out.read_text())
     assert data["equivalent"] is True and data["step_time_before"] is None and "boom" in data["timing_error"]
+
+
+@pytest.mark.parametrize("name, model_type, file", [
+    ("bert-generation", "bert-generation", "bert_generation/modeling_bert_generation.py"),
+    ("bert_generation", "bert-generation", "bert_generation/modeling_bert_generation.py"),   # the file's name
+    ("data2vec-audio", "data2vec-audio", "data2vec/modeling_data2vec_audio.py"),
+    ("data2vec_audio", "data2vec-audio", "data2vec/modeling_data2vec_audio.py"),
+    ("kosmos-2", "kosmos-2", "kosmos2/modeling_kosmos2.py"),
+    ("openai-gpt", "openai-gpt", "openai/modeling_openai.py"),
+])
+def test_model_types_spelled_with_hyphens_are_found(name, model_type, file):
+    assert verify_mod.resolve_type(name) == model_type
+    path = verify_mod.modeling_path(name)
+    assert path.as_posix().endswith("/models/" + file) and path.is_file()
+    original, overlay = verify_mod.module_names(name)
+    assert original == "transformers.models." + file[:-3].replace("/", ".")
+    assert overlay == original + "_kiln_adopted"
+
+
+def _run(out, grads):
+    import torch
+    return torch.tensor(out), torch.tensor(sum(out)), {name: torch.tensor(g) for name, g in grads.items()}
+
+
+def test_a_gradient_that_is_all_rounding_is_compared_to_the_originals_own_rounding():
+    from kiln.adopt.verify_compare import compare
+    # mobilevit: a bias before a batch norm has gradient 0 (float64: 4e-12); float32 gives rounding of
+    # 1e-3 in the original and in the rewrite alike, far above 1e-4 relative to itself
+    ref = _run([1.0, 2.0], {"bias": [1.2e-3, -0.4e-3], "weight": [3.0, 4.0]})
+    ref64 = _run([1.0, 2.0], {"bias": [4e-12, 0.0], "weight": [3.0, 4.0]})
+    same = _run([1.0, 2.0], {"bias": [-0.3e-3, 1.1e-3], "weight": [3.0, 4.0]})
+    assert compare(ref, same)["failures"] == ["grad of bias: max diff 0.0015 > tolerance 0.0001"]
+    result = compare(ref, same, ref64)
+    assert result["failures"] == [] and result["within_float32_noise"] == ["grad of bias"]
+    wrong = _run([1.0, 2.0], {"bias": [1.2e-3, 0.05], "weight": [3.0, 4.0]})      # beyond the noise: still wrong
+    assert [f.split(":")[0] for f in compare(ref, wrong, ref64)["failures"]] == ["grad of bias"]
