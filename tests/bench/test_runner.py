@@ -91,7 +91,7 @@ class _TuningStep:
 def test_kiln_modes_measure_after_online_tuning_settles(monkeypatch):
     from kiln.bench import modes
     fake = _TuningStep(tuning_calls=6)
-    monkeypatch.setattr(modes, "make_step", lambda mode, model: fake)
+    monkeypatch.setattr(modes, "make_step", lambda mode, model, **kw: fake)
     got = worker.run(dict(CONFIG, mode="kiln", steps=3, warmup=2, settle_s=60))
     assert got["status"] == "ok", got
     assert got["warmup_steps"] == 6 and got["measured_steps"] == 3 and fake.calls == 9
@@ -100,17 +100,17 @@ def test_kiln_modes_measure_after_online_tuning_settles(monkeypatch):
         t - got["step_median_s"] for t in got["warmup_step_times_s"])
     # the --settle limit comes first: measured anyway, and the result says so
     fake = _TuningStep(tuning_calls=10 ** 6)
-    monkeypatch.setattr(modes, "make_step", lambda mode, model: fake)
+    monkeypatch.setattr(modes, "make_step", lambda mode, model, **kw: fake)
     got = worker.run(dict(CONFIG, mode="kiln", steps=3, warmup=2, settle_s=0.2))
     assert got["status"] == "ok" and got["measured_steps"] == 3
     assert got["tuned_s"] is None and got["still_tuning"] == ["fused region r0: measuring"]
     # no settling asked, or a step that does not tune online: measured at once
     fake = _TuningStep(tuning_calls=6)
-    monkeypatch.setattr(modes, "make_step", lambda mode, model: fake)
+    monkeypatch.setattr(modes, "make_step", lambda mode, model, **kw: fake)
     got = worker.run(dict(CONFIG, mode="kiln", steps=3, warmup=2, settle_s=0))
     assert got["warmup_steps"] == 2 and got["tuned_s"] is None and got["still_tuning"]
     # nothing left to tune after the first step (a warm cache): tuned when the first step ended
-    monkeypatch.setattr(modes, "make_step", lambda mode, model: _TuningStep(tuning_calls=1))
+    monkeypatch.setattr(modes, "make_step", lambda mode, model, **kw: _TuningStep(tuning_calls=1))
     got = worker.run(dict(CONFIG, mode="kiln", steps=3, warmup=2, settle_s=60))
     assert got["tuned_s"] == got["ttfs_s"] and got["warmup_steps"] == 2
     monkeypatch.undo()
