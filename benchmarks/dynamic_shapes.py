@@ -9,7 +9,8 @@ a seeded generator, uniform in [min-len, max-len]), and the last batch is smalle
 process on the same seeded model (the 4-layer bench model of kiln/bench/zoo.py, position embeddings for
 max-len) and the same batches, with default settings: `torch.compile(model)` (it recompiles on the second
 shape, then goes dynamic), `kiln.compile(model, optimizer=...)` (a static program, then one dynamic program).
-Reported per mode: the whole run's wall time (compiles included), programs (graphs) compiled, the first
+Each mode starts with empty caches (Kiln's measurements and Inductor's code: a first run on this machine)
+unless --cache warm. Reported per mode: the whole run's wall time (compiles included), programs (graphs) compiled, the first
 step, the median step, and each step's loss against eager's (max relative difference).
 
 --static-check: in one process, Kiln's dynamic program against a static Kiln program and eager PyTorch at
@@ -173,6 +174,9 @@ def main() -> int:
     p.add_argument("--settle", type=float, default=300.0, help="seconds to wait for tuning (--static-check)")
     p.add_argument("--progress", action="store_true", help="print progress every 20 batches")
     p.add_argument("--threads", type=int, default=0, help="torch threads per mode (default: torch's)")
+    p.add_argument("--cache", default="cold", choices=["cold", "warm"],
+                   help="cold (default): each mode starts with empty Kiln and Inductor caches (a first run on "
+                        "this machine); warm: the user's caches as they are (a later run)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -185,7 +189,7 @@ def main() -> int:
         return 0
     env = dict(machine=platform.processor() or platform.machine(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
                threads=args.threads or torch.get_num_threads(), torch=torch.__version__, command=" ".join(sys.argv),
-               load_start=os.getloadavg()[0])
+               cache=args.cache, load_start=os.getloadavg()[0])
     if args.static_check:
         rows = static_check(args)
         report = dict(env, static_check=rows)
@@ -197,7 +201,12 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--worker", mode, "--out", out] + [
                 a for a in sys.argv[1:] if not a.startswith("--json") and a != args.json]
             print(f"{mode}: {args.batches} batches of lengths {args.min_len}..{args.max_len}...", file=sys.stderr)
-            proc = subprocess.run(cmd)
+            with tempfile.TemporaryDirectory(prefix="kiln-dyn-cache-") as scratch:
+                child = dict(os.environ)
+                if args.cache == "cold":
+                    child.update(KILN_CACHE_DIR=os.path.join(scratch, "kiln"),
+                                 TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"))
+                proc = subprocess.run(cmd, env=child)
             if proc.returncode:
                 print(f"{mode} failed (exit {proc.returncode})", file=sys.stderr)
                 continue
