@@ -86,6 +86,8 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer | torch.opt
         max_grad_norm: with a torch.optim optimizer, clip the gradients' global norm inside the step, as eager's
             `torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)` before `optimizer.step()` (on
             the summed gradient with `accumulate`). kiln.optim optimizers take it as their own argument.
+            `math.inf` measures the norm without clipping. Either way `step.grad_norm` is the norm before
+            clipping at the latest update (what `clip_grad_norm_` returns).
 
     Every step is all or nothing: the update (parameters, optimizer state, step counters, loss scale,
     buffers) is committed at once at the end, so an exception or a signal leaves all of it as it was

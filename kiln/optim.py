@@ -153,6 +153,12 @@ def zero_accumulated(sums):
     stage(torch._foreach_zero_, list(sums))
 
 
+def record_metric(sink, value):
+    """A number the step reports (the gradient norm): written into the step's own 0-d tensor at the commit,
+    so a failed or skipped step leaves the previous value."""
+    stage(torch._foreach_copy_, [sink], [value.detach().reshape(())])
+
+
 def _no_outputs(args, kwargs):
     return []
 
@@ -175,6 +181,9 @@ ACCUMULATE = register(OpDef("kiln.accumulate_grads", (accumulate_grads,), None, 
                             differentiable=False, side_effects=True, infer=_no_outputs,
                             cost=lambda n: 1.0 * sum(hint(g.meta.numel) for g in n.args[1]),
                             doc="gradient accumulation: add a micro-batch's gradients to the step's sums"))
+RECORD_METRIC = register(OpDef("kiln.record_metric", (record_metric,), None, Kind.OPTIMIZER, Cast.FP32,
+                               differentiable=False, side_effects=True, infer=_no_outputs, cost=lambda n: 1.0,
+                               doc="a number the step reports (step.grad_norm), written at the commit"))
 ZERO_ACCUMULATED = register(OpDef("kiln.zero_accumulated", (zero_accumulated,), None, Kind.OPTIMIZER, Cast.FP32,
                                   differentiable=False, side_effects=True, infer=_no_outputs,
                                   cost=lambda n: 1.0 * sum(hint(g.meta.numel) for g in n.args[0]),
@@ -208,6 +217,14 @@ def _number(name: str, v, low: float = 0.0, high: float = math.inf, low_open=Fal
         rng = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
         raise KilnError(f"{name} must be a number in {rng}, got {v!r}")
     return v
+
+
+def grad_norm_limit(v) -> float:
+    """`max_grad_norm` validated: a number > 0, or math.inf (as `torch.nn.utils.clip_grad_norm_(..., inf)`:
+    the global norm is computed, and reported as `step.grad_norm`, but nothing is clipped)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v == math.inf:
+        return math.inf
+    return _number("max_grad_norm", v, low_open=True)
 
 
 class Optimizer:
@@ -247,7 +264,7 @@ class Optimizer:
         """Validate the optimizer's own (group 0) hyper-parameters; subclasses extend it."""
         self.lr = _number("lr", self.lr)
         if self.max_grad_norm is not None:
-            self.max_grad_norm = _number("max_grad_norm", self.max_grad_norm, low_open=True)
+            self.max_grad_norm = grad_norm_limit(self.max_grad_norm)
 
     def _checked_group(self, i: int, g) -> dict:
         if not isinstance(g, dict) or "params" not in g:
@@ -433,15 +450,19 @@ class SGD(Optimizer):
         return emit_sgd(b, param, grad, state, hyper, found_inf, self.nesterov, out_of_place=True)
 
 
-def clip_by_global_norm(b, grads: list[Value], max_norm: float, total: Value | None = None) -> list[Value]:
-    """grads * min(1, max_norm / (||grads||_2 + 1e-6)), as torch.nn.utils.clip_grad_norm_. `total`: the
-    norm computed elsewhere (data parallel: over every rank's shards, kiln/passes/collectives.py)."""
+def clip_by_global_norm(b, grads: list[Value], max_norm: float,
+                        total: Value | None = None) -> tuple[list[Value], Value]:
+    """grads * min(1, max_norm / (||grads||_2 + 1e-6)), as torch.nn.utils.clip_grad_norm_, and the norm
+    before clipping. `total`: the norm computed elsewhere (data parallel: over every rank's shards,
+    kiln/passes/collectives.py). `max_norm` inf: the norm only (torch's clip with inf scales by 1.0)."""
     if total is None:
         norms = [b(aten.linalg_vector_norm.default, g, 2) for g in grads]
         total = b(aten.linalg_vector_norm.default, b(aten.stack.default, norms), 2)
+    if max_norm == math.inf:
+        return grads, total
     limit = b(aten.full.default, [], float(max_norm), dtype=total.meta.dtype, device=total.meta.device)
     coef = b(aten.clamp.default, b(aten.div.Tensor, limit, b(aten.add.Tensor, total, 1e-6)), None, 1.0)
-    return [b(aten.mul.Tensor, g, coef) for g in grads]
+    return [b(aten.mul.Tensor, g, coef) for g in grads], total
 
 
 def unscale_and_check(b, grads: list[Value], scale: Value) -> tuple[list[Value], Value]:

@@ -29,7 +29,7 @@ import copy
 import torch
 
 from kiln.errors import KilnError
-from kiln.optim import ADAM_KEYS, SGD_KEYS, Optimizer, _number, emit_adam, emit_sgd
+from kiln.optim import ADAM_KEYS, SGD_KEYS, Optimizer, _number, emit_adam, emit_sgd, grad_norm_limit
 
 _KINDS = {torch.optim.AdamW: "adam", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
 _REFUSED = {
@@ -74,7 +74,7 @@ class TorchOptimizer(Optimizer):
     def check(self) -> None:
         name = type(self.torch).__name__
         if self.max_grad_norm is not None:
-            self.max_grad_norm = _number("max_grad_norm", self.max_grad_norm, low_open=True)
+            self.max_grad_norm = grad_norm_limit(self.max_grad_norm)
         from torch.optim import optimizer as torch_optimizer
         hooks = (getattr(self.torch, "_optimizer_step_pre_hooks", None), getattr(self.torch, "_optimizer_step_post_hooks",
                  None), torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)

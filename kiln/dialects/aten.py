@@ -103,6 +103,7 @@ def _register_optimizer_kernels() -> None:
     kernel(ATEN, optim.loss_scale_update, optim.loss_scale_update, name="amp")
     kernel(ATEN, optim.accumulate_grads, optim.accumulate_grads, name="foreach")
     kernel(ATEN, optim.zero_accumulated, optim.zero_accumulated, name="foreach")
+    kernel(ATEN, optim.record_metric, optim.record_metric, name="record")
     from kiln import guards
     kernel(ATEN, guards.check_finite, guards.check_finite, name="guard")
     kernel(ATEN, guards.branch_guard, guards.branch_guard, name="branch_guard")

@@ -26,10 +26,11 @@ How the Trainer's loop is mapped onto one Kiln step (transformers 5.24 `Trainer.
 - A window shorter than N (the last of an epoch whose length N does not divide) starts Kiln's cycle with
   `N - k` micro-batches counted, so its update comes after its k micro-batches, and its loss is scaled by
   N / k as the Trainer scales it by 1 / k.
-- The Trainer's own clipping (`_clip_grad_norm`) is skipped (no `.grad` exists; Kiln clipped inside the step)
-  and its `optimizer.step()` is replaced, on the accelerate-wrapped optimizer of this Trainer only, by a
+- The Trainer's own clipping (`_clip_grad_norm`) is skipped (no `.grad` exists; Kiln clipped inside the step);
+  the `grad_norm` it logs is the norm the step computed before clipping (`step.grad_norm`; with
+  `max_grad_norm=0` the step measures it without clipping, as the Trainer does), and its `optimizer.step()` is replaced, on the accelerate-wrapped optimizer of this Trainer only, by a
   check that the compiled step has run exactly one update since the previous `optimizer.step()`
-  (`_optimizer_step`); `lr_scheduler.step()` and `zero_grad()` run as usual. `grad_norm` is not logged.
+  (`_optimizer_step`); `lr_scheduler.step()` and `zero_grad()` run as usual.
 
 TrainingArguments Kiln cannot honour are refused with a KilnError naming them (`_refuse`): fp16 (Trainer's
 GradScaler; use bf16), deepspeed, fsdp, torch_compile, gradient/activation checkpointing (use
@@ -38,6 +39,7 @@ and optimizers other than torch's AdamW/Adam/SGD.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -134,7 +136,8 @@ class Trainer(transformers.Trainer):
                             f"{type(opt).__module__}.{type(opt).__qualname__} from optim="
                             f"{getattr(args.optim, 'value', args.optim)!r}")
         target = self.accelerator.unwrap_model(model)
-        clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+        # the Trainer logs the gradient norm even when it does not clip (it measures with max_norm=inf)
+        clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else math.inf
         amp = "bf16" if args.bf16 else None
         n = args.gradient_accumulation_steps
         key = (id(target), id(opt), n, clip, amp)
@@ -203,7 +206,7 @@ class Trainer(transformers.Trainer):
 
     # ---- the Trainer's clipping: done inside the step -----------------------------------------
     def _clip_grad_norm(self, model):
-        return None                          # the compiled step clipped the summed gradient (max_grad_norm)
+        return self.kiln_step.grad_norm      # the compiled step clipped the summed gradient; its norm before
 
     def _get_grad_norm(self, model, grad_norm=None):
-        return grad_norm                     # None: the compiled step does not report the norm
+        return self.kiln_step.grad_norm if grad_norm is None else grad_norm

@@ -22,7 +22,8 @@ from kiln.guards import emit_check
 from kiln.ir.builder import Builder
 from kiln.ir.graph import Graph, Phase, Role, TensorMeta, Value
 from kiln.ir.printer import format_graph
-from kiln.optim import ACCUMULATE, LOSS_SCALE, ZERO_ACCUMULATED, Optimizer, clip_by_global_norm, unscale_and_check
+from kiln.optim import (ACCUMULATE, LOSS_SCALE, RECORD_METRIC, ZERO_ACCUMULATED, Optimizer, clip_by_global_norm,
+                        unscale_and_check)
 from kiln.passes.amp import AmpPolicy, autocast
 from kiln.passes.canonicalize import canonicalize, lower_dialects
 from kiln.passes.collectives import gather_params, reduce_gradients
@@ -121,8 +122,12 @@ def add_update(ctx: Context) -> int:
     else:                          # fp16's loss scaler skips overflowing steps itself
         emit_check(b, loss, gs, [u.name for u in updated], ctx.nonfinite)
     if ctx.optimizer.max_grad_norm is not None and gs:
-        gs = clip_by_global_norm(b, gs, ctx.optimizer.max_grad_norm,
-                                 total=plan.grad_norm(b, gs) if plan is not None else None)
+        gs, total = clip_by_global_norm(b, gs, ctx.optimizer.max_grad_norm,
+                                        total=plan.grad_norm(b, gs) if plan is not None else None)
+        b.scope = "optimizer:grad_norm"         # reported as step.grad_norm (what clip_grad_norm_ returns)
+        sink = g.add_input("grad_norm", _scalar_meta(torch.float32, total.meta.device), Role.STATE,
+                           f"{METRICS}:grad_norm")
+        b.emit(RECORD_METRIC, (sink, total), {}, metas=[])
     opt = ctx.optimizer
     hypers: dict[int, dict[str, Value]] = {}       # per parameter group: its runtime scalars (lr, betas, ...)
     for u, grad in zip(updated, gs):
@@ -150,12 +155,13 @@ def add_update(ctx: Context) -> int:
     return len(updated)
 
 
+METRICS = "__metrics__"    # source prefix of numbers the step reports (`CompiledStep.grad_norm`), not state
 AMP_STATE = "__amp__"      # optimizer-state entry holding the fp16 loss scale and its growth tracker
 ACCUM_STATE = "__accum__"  # source prefix of the gradient sums (`CompiledStep.grad_sums`, not optimizer state)
 
 
-def _scalar_meta(dtype):
-    return TensorMeta((), dtype, (), torch.device("cpu"))
+def _scalar_meta(dtype, device=None):
+    return TensorMeta((), dtype, (), device or torch.device("cpu"))
 
 
 def _state_meta(p: Value, slot: str):

@@ -1,6 +1,7 @@
 """`CompiledStep`: what `kiln.compile` returns. Caches one program per input signature and runs it."""
 from __future__ import annotations
 
+import math
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
-from kiln.passes.pipeline import ACCUM_STATE, AFTER_TUNING, AMP_STATE, Context, run_pipeline
+from kiln.passes.pipeline import ACCUM_STATE, AFTER_TUNING, AMP_STATE, METRICS, Context, run_pipeline
 from kiln.runtime import checkpoint, memory, shapes
 from kiln.runtime.codegen import generate
 from kiln.runtime.failures import describe_failure
@@ -146,6 +147,8 @@ class CompiledStep:
             n: torch.zeros_like(p, memory_format=torch.preserve_format) for n, p in self.params.items()
         } if accumulate > 1 else {}
         self._update_now = True               # whether the program being compiled runs the update
+        self._metrics: dict[str, torch.Tensor] = {}     # numbers the programs report (grad_norm), and
+        self._reported: set[str] = set()                # which of them a committed step has written
         self.last: Program | None = None
         self._lock = threading.RLock()        # calls (and compiles) on one step run one at a time
         self._tensors = self._module_tensors()
@@ -243,6 +246,7 @@ class CompiledStep:
                             "kernels run before any other write, so parameters and state are unchanged unless an "
                             "earlier fused group had already been applied. Check the optimizer's hyper-parameters, "
                             "or try kiln.compile(..., dialects=['aten'])") from e
+        self._reported.update(self._metrics)
         if pending:
             self.optimizer.install(pending)  # torch's lazily made state, now that an update wrote it
         if self._torch_opt and self._update_now:
@@ -399,6 +403,15 @@ class CompiledStep:
         if v.role is Role.INPUT:
             i = int(v.source)
             return lambda leaves, lr: leaves[i]
+        if v.role is Role.STATE and v.source.startswith(METRICS + ":"):
+            key, meta = v.source[len(METRICS) + 1:], v.meta
+
+            def metric(leaves, hyper):
+                t = self._metrics.get(key)
+                if t is None:
+                    t = self._metrics[key] = torch.full((), math.nan, dtype=meta.dtype, device=meta.device)
+                return t
+            return metric
         if v.role is Role.STATE and v.source.startswith(ACCUM_STATE + ":"):
             name = self._param_name(v.source[len(ACCUM_STATE) + 1:])
             return lambda leaves, hyper: self.grad_sums[name]
@@ -432,6 +445,15 @@ class CompiledStep:
             return pname
         target = dict(self.model.named_parameters(remove_duplicate=False))[pname]
         return next(n for n, p in self.params.items() if p is target)
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The global 2-norm of the gradients before clipping at the latest update (a 0-d float32 tensor, what
+        `torch.nn.utils.clip_grad_norm_` returns; with `accumulate`, of the summed gradient; data parallel, of
+        the gradient averaged over the ranks). Computed when the step clips: `max_grad_norm=` (math.inf
+        measures without clipping). None before the first such update."""
+        t = self._metrics.get("grad_norm")
+        return None if t is None or "grad_norm" not in self._reported else t.clone()
 
     @property
     def loss_scale(self) -> float | None:

@@ -62,6 +62,10 @@ def losses(trainer):
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
+def grad_norms(trainer):
+    return {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
+
+
 def evals(trainer):
     return {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
 
@@ -85,12 +89,12 @@ def eager(data, tmp_path_factory):
     trainer = transformers.Trainer(model=model, args=arguments(tmp_path_factory.mktemp("eager"), **EVAL),
                                    train_dataset=train, eval_dataset=evaluation, data_collator=collator)
     trainer.train()
-    return losses(trainer), trainer.evaluate()["eval_loss"], model, evals(trainer)
+    return losses(trainer), trainer.evaluate()["eval_loss"], model, evals(trainer), grad_norms(trainer)
 
 
 def test_trainer_matches_eager_trainer(data, eager, tmp_path):
     train, evaluation, collator = data
-    ref_losses, ref_eval, ref_model, ref_evals = eager
+    ref_losses, ref_eval, ref_model, ref_evals, ref_norms = eager
     model = tiny_gpt2()
     trainer = Trainer(model=model, args=arguments(tmp_path, **EVAL), train_dataset=train, eval_dataset=evaluation,
                       data_collator=collator)
@@ -98,6 +102,9 @@ def test_trainer_matches_eager_trainer(data, eager, tmp_path):
     got = losses(trainer)
     assert sorted(got) == sorted(ref_losses) == [5, 10, 15, 20, 25, 30]
     assert_losses_close(got, ref_losses)
+    norms = grad_norms(trainer)     # the logged gradient norm: before clipping, of the window's summed gradient
+    assert sorted(norms) == sorted(ref_norms) == [5, 10, 15, 20, 25, 30]
+    assert_losses_close(norms, ref_norms)
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, **PARAM_TOL, msg=lambda m: f"{name}: {m}")
     # evaluation is the Trainer's own, on the eager model whose parameters Kiln updated in place (also between
@@ -126,7 +133,7 @@ class _StopAt(transformers.TrainerCallback):
 
 def test_stop_and_resume_from_checkpoint_continues_exactly(data, eager, tmp_path):
     train, _, collator = data
-    ref_losses, _, ref_model, _ = eager
+    ref_losses, _, ref_model, _, ref_norms = eager
     first = Trainer(model=tiny_gpt2(), args=arguments(tmp_path, save_strategy="steps", save_steps=15),
                     train_dataset=train, data_collator=collator, callbacks=[_StopAt(15)])
     first.train()
@@ -139,6 +146,7 @@ def test_stop_and_resume_from_checkpoint_continues_exactly(data, eager, tmp_path
     got = {s: v for s, v in losses(second).items() if s > 15}    # log_history comes back with the checkpoint
     assert sorted(got) == [20, 25, 30]
     assert_losses_close(got, ref_losses)
+    assert_losses_close({s: v for s, v in grad_norms(second).items() if s > 15}, ref_norms)
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, **PARAM_TOL, msg=lambda m: f"{name}: {m}")
 

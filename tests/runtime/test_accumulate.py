@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -40,10 +41,12 @@ def eager_micro(model, x, y):
 
 
 def eager_update(model, opt, max_norm=None):
+    norm = None
     if max_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return norm
 
 
 def same(model):
@@ -64,6 +67,7 @@ def test_accumulation_matches_eager(which):
         kopt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
         step = kiln.compile(model, optimizer=kopt, loss_fn=ce, accumulate=N, max_grad_norm=max_norm)
+    assert step.grad_norm is None                    # no update yet
     for update in range(3):
         before = same(model)
         for micro in range(N):
@@ -73,11 +77,34 @@ def test_accumulation_matches_eager(which):
             if micro < N - 1:
                 assert step.accumulated == micro + 1
                 assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))   # no update yet
-        eager_update(ref, ref_opt, max_norm)
+        norm = eager_update(ref, ref_opt, max_norm)
+        torch.testing.assert_close(step.grad_norm, norm, rtol=1e-5, atol=0)     # of the summed gradient
         assert step.accumulated == 0
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"update {update}, {n}: {m}")
     assert len(step.programs) == 2                   # the micro-step and the update step
+
+
+def test_grad_norm_is_reported_without_clipping_and_kept_by_a_failed_step():
+    """max_grad_norm=math.inf: the norm clip_grad_norm_(..., inf) returns, and gradients left as they are."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    step = kiln.compile(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=ce,
+                        max_grad_norm=math.inf)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for i in range(3):
+        x, y = batch(i)
+        step(x, y)
+        ce(ref, x, y).backward()
+        torch.testing.assert_close(step.grad_norm, eager_update(ref, ref_opt, math.inf), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+    kept = step.grad_norm
+    x, y = batch(9)
+    with pytest.raises(kiln.KilnError):            # a NaN input: the step raises and writes nothing
+        step(torch.full_like(x, math.nan), y)
+    assert torch.equal(step.grad_norm, kept)
 
 
 def test_a_failed_micro_step_leaves_the_sums_unchanged():
