@@ -28,8 +28,8 @@ How the Trainer's loop is mapped onto one Kiln step (transformers 5.24 `Trainer.
   N / k as the Trainer scales it by 1 / k.
 - The Trainer's own clipping (`_clip_grad_norm`) is skipped (no `.grad` exists; Kiln clipped inside the step);
   the `grad_norm` it logs is the norm the step computed before clipping (`step.grad_norm`; with
-  `max_grad_norm=0` the step measures it without clipping, as the Trainer does), and its `optimizer.step()` is replaced, on the accelerate-wrapped optimizer of this Trainer only, by a
-  check that the compiled step has run exactly one update since the previous `optimizer.step()`
+  `max_grad_norm=0` the step measures it without clipping, as the Trainer does), and its `optimizer.step()`
+  is replaced, on the accelerate-wrapped optimizer of this Trainer only, by a check that the compiled step has run exactly one update since the previous `optimizer.step()`
   (`_optimizer_step`); `lr_scheduler.step()` and `zero_grad()` run as usual.
 
 TrainingArguments Kiln cannot honour are refused with a KilnError naming them (`_refuse`): fp16 (Trainer's

@@ -37,6 +37,7 @@ class Program:
     calls: int = 0
     tuning: tuple = ((), ())      # the background workers and settle hooks its compilation prepared (Tuner.since)
     memory: object = None         # what rematerialization decided under the memory budget (kiln.passes.remat.Plan)
+    metrics: tuple = ()           # the numbers its commit reports (step.grad_norm): keys of CompiledStep._metrics
 
     @property
     def dynamic(self) -> bool:

@@ -1,8 +1,8 @@
 """`CompiledStep`: what `kiln.compile` returns. Caches one program per input signature and runs it."""
 from __future__ import annotations
 
-import math
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -246,7 +246,7 @@ class CompiledStep:
                             "kernels run before any other write, so parameters and state are unchanged unless an "
                             "earlier fused group had already been applied. Check the optimizer's hyper-parameters, "
                             "or try kiln.compile(..., dialects=['aten'])") from e
-        self._reported.update(self._metrics)
+        self._reported.update(prog.metrics)     # what this commit wrote (not a metric an earlier failed call made)
         if pending:
             self.optimizer.install(pending)  # torch's lazily made state, now that an update wrote it
         if self._torch_opt and self._update_now:
@@ -390,6 +390,8 @@ class CompiledStep:
         prog = Program(ctx.graph, source, fn, fetch, seconds, ctx.timings, ctx.regions, signature)
         prog.tuning = self.tuner.since(mark)
         prog.memory = ctx.memory
+        prog.metrics = tuple(v.source[len(METRICS) + 1:] for v in ctx.graph.inputs
+                             if v.role is Role.STATE and v.source.startswith(METRICS + ":"))
         return prog
 
     def _fetcher(self, v, constants) -> Callable[[list, dict], Any]:

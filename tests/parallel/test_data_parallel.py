@@ -34,6 +34,9 @@ def _check_parity(results: list[dict], world: int) -> None:
             assert r["same"], f"{what}: the ranks hold different parameters"
             for got, want in r["losses"]:
                 assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), f"{what}: loss {got} vs {want}"
+            assert len(r["norms"]) == (5 if c["clip"] else 0), what
+            for got, want in r["norms"]:             # step.grad_norm: what clip_grad_norm_ returns under DDP
+                assert abs(got - want) <= 1e-5 * want, f"{what}: gradient norm {got} vs {want}"
     first = {(c["zero"], c["amp"], c["clip"]): c for c in results[0]["parity"]}
     # memory: ZeRO keeps 1/N of the optimizer state (bucket padding and one step counter per bucket aside)
     z0, z1 = first[(0, None, None)], first[(1, None, None)]

@@ -108,15 +108,15 @@ def parity(zero: int, amp: str | None, world: int, rank: int, steps: int = 5, bu
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WD)
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=WD)
-    losses = []
+    losses, norms = [], []
     for batch in batches(steps, world):
         ids, labels = local(batch, rank, world)
         got = step(ids, labels)
         opt.zero_grad()
         want = ddp(ids, labels)
         want.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+        if clip is not None:       # the norm before clipping, of the gradient averaged over the ranks
+            norms.append((step.grad_norm.item(), torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip).item()))
         opt.step()
         losses.append((got.item(), want.item()))
     text = io.StringIO()
@@ -124,7 +124,7 @@ def parity(zero: int, amp: str | None, world: int, rank: int, steps: int = 5, bu
     stats = step.parallel.stats(step)
     if keep is not None:
         keep[(zero, amp)] = (step, mine)
-    return {"zero": zero, "amp": amp, "clip": clip, "rel": rel_diff(mine, ref), "losses": losses,
+    return {"zero": zero, "amp": amp, "clip": clip, "rel": rel_diff(mine, ref), "losses": losses, "norms": norms,
             "same": same_on_all_ranks(mine), "state_bytes": stats["state_bytes"],
             "peak_grad_bytes": stats["peak_grad_bytes"], "explain": text.getvalue() if rank == 0 else "",
             "buckets": len(step.parallel.layout)}

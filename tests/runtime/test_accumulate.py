@@ -107,6 +107,21 @@ def test_grad_norm_is_reported_without_clipping_and_kept_by_a_failed_step():
     assert torch.equal(step.grad_norm, kept)
 
 
+def test_grad_norm_stays_unset_until_an_update_commits():
+    """A failed update leaves no norm behind, even when a micro-step commits after it."""
+    torch.manual_seed(0)
+    model = Net()
+    step = kiln.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=ce, accumulate=2,
+                        max_grad_norm=1.0)
+    x, y = batch(0)
+    step(x, y)                                     # a micro-step: no update, no norm
+    with pytest.raises(kiln.KilnError):            # the update fails on a NaN input: nothing is written
+        step(torch.full_like(x, math.nan), y)
+    step.reset_accumulation()
+    step(x, y)                                     # a micro-step commits
+    assert step.grad_norm is None
+
+
 def test_a_failed_micro_step_leaves_the_sums_unchanged():
     torch.manual_seed(1)
     model = Net()
