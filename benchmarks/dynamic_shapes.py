@@ -34,6 +34,9 @@ import warnings
 
 import torch
 
+from kiln.bench.memory import Usage
+from kiln.runtime import heap
+
 warnings.filterwarnings("ignore", category=FutureWarning)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 LR = 3e-4
@@ -84,6 +87,7 @@ def worker(args) -> dict:
             loss.backward()
             opt.step()
             return loss.item()
+    usage = Usage()
     losses, times = [], []
     start = time.perf_counter()
     for i, (b, t) in enumerate(sizes):
@@ -94,8 +98,9 @@ def worker(args) -> dict:
         if args.progress and (i + 1) % 20 == 0:
             print(f"  {mode}: {i + 1}/{len(sizes)} batches, {time.perf_counter() - start:.0f}s", file=sys.stderr)
     total = time.perf_counter() - start
+    resources = usage.stop()
     out = dict(mode=mode, total_s=total, first_step_s=times[0], median_step_s=statistics.median(times),
-               step_s=times, losses=losses, lengths=[t for _, t in sizes])
+               step_s=times, losses=losses, lengths=[t for _, t in sizes], heap=heap.describe(), **resources)
     if mode == "kiln":
         info = step_fn.cache_info()
         out["programs"] = info.compiles
@@ -177,6 +182,10 @@ def main() -> int:
     p.add_argument("--cache", default="cold", choices=["cold", "warm"],
                    help="cold (default): each mode starts with empty Kiln and Inductor caches (a first run on "
                         "this machine); warm: the user's caches as they are (a later run)")
+    p.add_argument("--baseline-heap", default="system", choices=["system", "keep"],
+                   help="glibc's heap in the eager and torch.compile processes: system (default, as they run "
+                        "unless told) or keep (what Kiln's default $KILN_HEAP=keep sets: freed memory stays in "
+                        "the process; a like-for-like run, see docs/memory.md)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -189,7 +198,7 @@ def main() -> int:
         return 0
     env = dict(machine=platform.processor() or platform.machine(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
                threads=args.threads or torch.get_num_threads(), torch=torch.__version__, command=" ".join(sys.argv),
-               cache=args.cache, load_start=os.getloadavg()[0])
+               cache=args.cache, baseline_heap=args.baseline_heap, load_start=os.getloadavg()[0])
     if args.static_check:
         rows = static_check(args)
         report = dict(env, static_check=rows)
@@ -206,6 +215,8 @@ def main() -> int:
                 if args.cache == "cold":
                     child.update(KILN_CACHE_DIR=os.path.join(scratch, "kiln"),
                                  TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"))
+                if mode != "kiln" and args.baseline_heap == "keep":
+                    child.update(heap.KEEP_ENV)
                 proc = subprocess.run(cmd, env=child)
             if proc.returncode:
                 print(f"{mode} failed (exit {proc.returncode})", file=sys.stderr)

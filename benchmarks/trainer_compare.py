@@ -30,6 +30,9 @@ import warnings
 
 import torch
 
+from kiln.bench.memory import Usage
+from kiln.runtime import heap
+
 warnings.filterwarnings("ignore", category=FutureWarning)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -74,12 +77,15 @@ def worker(args) -> dict:
     else:
         cls = transformers.Trainer
     trainer = cls(model=model, args=targs, train_dataset=train, data_collator=padding_collator(vocab))
+    usage = Usage()
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0
+    resources = usage.stop()
     hist = trainer.state.log_history
     out = dict(mode=mode, total_s=seconds, losses={h["step"]: h["loss"] for h in hist if "loss" in h},
-               grad_norms={h["step"]: h["grad_norm"] for h in hist if "grad_norm" in h})
+               grad_norms={h["step"]: h["grad_norm"] for h in hist if "grad_norm" in h}, heap=heap.describe(),
+               **resources)
     if mode == "kiln":
         info = trainer.kiln_step.cache_info()
         out.update(programs=info.compiles, compile_s=info.compile_seconds)
@@ -110,6 +116,10 @@ def main() -> int:
                    help="cold (default): each mode starts with empty Kiln and Inductor caches; warm: the user's")
     p.add_argument("--threads", type=int, default=0, help="torch threads per mode (default: torch's)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--baseline-heap", default="system", choices=["system", "keep"],
+                   help="glibc's heap in the eager and torch.compile processes: system (default, as they run "
+                        "unless told) or keep (what Kiln's default $KILN_HEAP=keep sets: freed memory stays in "
+                        "the process; a like-for-like run, see docs/memory.md)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -125,7 +135,7 @@ def main() -> int:
         return 0
     env = dict(machine=platform.processor() or platform.machine(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
                threads=args.threads or torch.get_num_threads(), torch=torch.__version__, command=" ".join(sys.argv),
-               cache=args.cache, load_start=os.getloadavg()[0])
+               cache=args.cache, baseline_heap=args.baseline_heap, load_start=os.getloadavg()[0])
     results = {}
     for mode in modes:
         print(f"{mode}: {args.steps} steps x {args.accumulate} micro-batches of {args.batch} x "
@@ -136,6 +146,8 @@ def main() -> int:
             if args.cache == "cold":
                 child.update(KILN_CACHE_DIR=os.path.join(scratch, "kiln"),
                              TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"))
+            if mode != "kiln" and args.baseline_heap == "keep":
+                child.update(heap.KEEP_ENV)
             cmd = [sys.executable, __file__, "--worker", mode, "--out", out] + [
                 a for a in sys.argv[1:] if not a.startswith("--json") and a != args.json]
             proc = subprocess.run(cmd, env=child)

@@ -73,3 +73,18 @@ class PeakTracker:
         peak, how = peak_bytes()
         method = f"{how} after clear_refs reset" if self.reset_ok else f"{how} (not resettable: whole-process peak)"
         return {"peak_rss_bytes": peak, "start_rss_bytes": self.start_rss, "memory_method": method}
+
+
+class Usage:
+    """What a phase cost the process beyond wall time: CPU seconds in user and system (page faults are
+    system time), minor page faults, and the resident-set high-water mark at its end."""
+
+    def __init__(self) -> None:
+        self.before = resource.getrusage(resource.RUSAGE_SELF)
+
+    def stop(self) -> dict:
+        now = resource.getrusage(resource.RUSAGE_SELF)
+        peak, _ = peak_bytes()
+        return {"user_s": now.ru_utime - self.before.ru_utime, "sys_s": now.ru_stime - self.before.ru_stime,
+                "minor_faults": now.ru_minflt - self.before.ru_minflt,
+                "max_rss_mib": None if peak is None else peak / 2 ** 20}

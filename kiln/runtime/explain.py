@@ -15,6 +15,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.ops.functions import Call
 from kiln.ops.registry import lookup
+from kiln.runtime import heap
 
 
 def compute_dtype(n) -> str:
@@ -127,6 +128,7 @@ def explain(step, file=None, profile: bool = False) -> str:
                          "program): " + "; ".join(sig.guards))
         if sig.specialized:
             lines.append("dimensions the model fixes (static in every program): " + "; ".join(sig.specialized))
+    lines.append(heap.describe())
     branches = list(dict.fromkeys(n.args[2] for n in g.nodes if n.op.name == "kiln.branch_guard"))
     if branches:
         variants = len(step.programs)

@@ -21,7 +21,7 @@ from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
 from kiln.passes.pipeline import ACCUM_STATE, AFTER_TUNING, AMP_STATE, METRICS, Context, run_pipeline
-from kiln.runtime import checkpoint, memory, shapes
+from kiln.runtime import checkpoint, heap, memory, shapes
 from kiln.runtime.codegen import generate
 from kiln.runtime.failures import describe_failure
 from kiln.runtime.programs import CacheInfo, Program, ProgramCache
@@ -102,6 +102,8 @@ class CompiledStep:
         self.dialects = dialect_registry.check_names(dialects) if dialects is not None else None
         self.policy = shapes.Policy(dynamic)  # which dimensions new programs make symbolic
         self.memory_budget = memory.parse_budget(memory_budget)   # bytes, a fraction of the peak, or None
+        self.heap = heap.policy(self.memory_budget)   # keep freed memory for the next step, or return it
+        self._heap_set = False
         self.cache = ProgramCache(max_programs)
         self.fail_on_max_programs = bool(fail_on_max_programs)
         if tuning is not None and tuning not in measure.TUNINGS:
@@ -183,6 +185,9 @@ class CompiledStep:
 
     def _step(self, args, kwargs) -> torch.Tensor:
         self.optimizer.check()              # hyper-parameters set between steps are validated too
+        if not self._heap_set:              # process-wide: see kiln/runtime/heap.py
+            heap.apply(self.heap)
+            self._heap_set = True
         self._follow_replaced_tensors()
         self.optimizer.bind(self.model, self.params)    # parameter groups -> the model's parameters
         pending = self._torch_state() if self._torch_opt else []
