@@ -96,6 +96,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="give every mode empty compile caches (Inductor's and Kiln's), so time to first step "
                         "includes all compilation; default: the caches this machine already has")
     p.add_argument("--no-peak", action="store_true", help="skip measuring the peak matmul rate")
+    p.add_argument("--baseline-heap", default="system", choices=["system", "keep"],
+                   help="glibc's heap in the modes that are not Kiln's: system (default: as they run unless told) "
+                        "or keep (the setting Kiln's default KILN_HEAP=keep makes: freed memory stays in the "
+                        "process for the next step; a like-for-like run, see docs/memory.md)")
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -158,13 +162,15 @@ def build_config(args: argparse.Namespace) -> dict:
     config = {"model": args.model, "size": args.size, "overrides": overrides, "resolved": resolved,
               "seed": args.seed, "steps": args.steps, "warmup": args.warmup, "budget_s": args.budget,
               "settle_s": args.settle, "modes": names, "baseline": baseline,
-              "cold_cache": bool(getattr(args, "cold_cache", False)), "memory_budget": memory_budget}
+              "cold_cache": bool(getattr(args, "cold_cache", False)), "memory_budget": memory_budget,
+              "baseline_heap": getattr(args, "baseline_heap", "system")}
     parts = ["kiln bench", "--model", args.model, "--modes", ",".join(names), "--size", args.size]
     parts += [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
     parts += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", f"{args.budget:g}",
               "--settle", f"{args.settle:g}"]
     parts += ["--seed", str(args.seed)] if args.seed else []
     parts += ["--cold-cache"] if config["cold_cache"] else []
+    parts += ["--baseline-heap", "keep"] if config["baseline_heap"] == "keep" else []
     parts += ["--memory-budget", args.memory_budget] if memory_budget is not None else []
     parts += ["--baseline", args.baseline] if args.baseline else []
     parts += [x for flag, v in (("--json", args.json), ("--plot", args.plot)) if v for x in (flag, v)]

@@ -119,7 +119,10 @@ def markdown(reports: list[dict], json_names: list[str], out_name: str | None, i
               "copies included).",
               "- **Peak RSS MiB**: the process's resident-set high-water mark (VmHWM) over the measured steps, "
               "reset after warm-up through /proc/self/clear_refs, with its ratio to the baseline's. It "
-              "includes weights, gradients, optimizer state and the Python/torch runtime.",
+              "includes weights, gradients, optimizer state and the Python/torch runtime. Kiln's modes keep "
+              "the memory a step frees in the process for the next step (`KILN_HEAP=keep`, the default "
+              "without a memory budget; docs/memory.md), which raises their resident set and saves the "
+              "page faults; the other modes run with glibc's default unless `--baseline-heap keep`.",
               "- **Loss step 1 -> k**: the training loss at the first step and at step k, the last step "
               "every mode reached (warm-up steps count; a mode cut short by the budget runs fewer). Same "
               "weights, same data: the modes should agree closely, bf16 ones within rounding; a mode whose "

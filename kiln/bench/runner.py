@@ -74,6 +74,9 @@ def run_worker(spec: dict, timeout_s: float, tick: Tick | None = None) -> dict:
         if spec.get("cold_cache"):   # compile caches that start empty and go with the worker
             env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor-cache")
             env["KILN_CACHE_DIR"] = os.path.join(tmp, "kiln-cache")
+        if spec.get("baseline_heap") == "keep" and not str(spec.get("mode")).startswith("kiln"):
+            from kiln.runtime.heap import KEEP_ENV
+            env.update(KEEP_ENV)          # the heap Kiln's steps keep, for a like-for-like comparison
         log_path = os.path.join(tmp, "log.txt")
         start = time.monotonic()
         with open(log_path, "w") as log:
@@ -165,6 +168,7 @@ def run(config: dict, timeout_s: float, on_start: Callable[[str], None] | None =
     common["settle_s"] = config.get("settle_s", 0)
     common["cold_cache"] = bool(config.get("cold_cache"))
     common["memory_budget"] = config.get("memory_budget")
+    common["baseline_heap"] = config.get("baseline_heap", "system")
     results = []
     for mode in config["modes"]:
         on_start and on_start(mode)

@@ -163,7 +163,14 @@ def run_mode(spec: dict, progress: _Progress) -> dict:
             "loss_first": loss_first, "loss_last": loss, "losses": losses,
             # --cold-cache: the empty compile caches this mode started from (None: the machine's own)
             "compile_caches": {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "KILN_CACHE_DIR")}
-            if spec.get("cold_cache") else None}
+            if spec.get("cold_cache") else None,
+            "heap": _heap()}
+
+
+def _heap() -> str:
+    """How this process's heap treated freed memory (Kiln's policy, or glibc's own: docs/memory.md)."""
+    from kiln.runtime import heap
+    return heap.describe()
 
 
 def run(spec: dict) -> dict:

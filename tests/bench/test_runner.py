@@ -40,6 +40,14 @@ def test_cold_cache_gives_the_worker_empty_compile_caches():
     assert warm["compile_caches"] is None
 
 
+def test_baseline_heap_keep_gives_other_modes_kilns_heap_setting():
+    same = runner.run_worker(dict(CONFIG, mode="eager", steps=1, baseline_heap="keep"), timeout_s=120)
+    assert same["status"] == "ok", same
+    assert "left alone" in same["heap"] and "environment" in same["heap"]   # MALLOC_*_ set for it
+    default = runner.run_worker(dict(CONFIG, mode="eager", steps=1), timeout_s=120)
+    assert default["heap"].startswith("heap: system")
+
+
 def test_raising_mode_reports_its_error():
     got = worker.run(dict(CONFIG, mode="eager", fault="raise"))  # in-process: run() never raises
     assert got["status"] == "failed" and "injected fault" in got["error"]
