@@ -225,13 +225,14 @@ def main() -> int:
                 results[mode] = json.load(f)
             os.unlink(out)
         eager = results.get("eager")
-        print(f"\n{'mode':8} {'total':>9} {'programs':>8} {'1st step':>9} {'median':>8} {'vs eager loss':>14}")
+        print(f"\n{'mode':8} {'total':>9} {'programs':>8} {'1st step':>9} {'median':>8} {'vs eager loss':>14} "
+              f"{'sys CPU':>8} {'peak RSS':>9}")
         for mode, r in results.items():
             diff = "-"
             if eager and mode != "eager":
                 diff = f"{max(abs(a - b) / abs(b) for a, b in zip(r['losses'], eager['losses'])):.1e}"
             print(f"{mode:8} {r['total_s']:8.1f}s {r.get('programs', '-')!s:>8} {r['first_step_s']:8.2f}s "
-                  f"{r['median_step_s']:7.3f}s {diff:>14}")
+                  f"{r['median_step_s']:7.3f}s {diff:>14} {r['sys_s']:7.1f}s {r['max_rss_mib'] or 0:6.0f}MiB")
         if "kiln" in results:
             for other in ("compile", "eager"):
                 if other in results:

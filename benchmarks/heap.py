@@ -4,8 +4,8 @@ and under `keep` (kiln/runtime/heap.py), alternated in one process.
     .venv/bin/python benchmarks/heap.py [--model llama|gpt2] [--length 256] [--batch 8] [--rounds 6]
 
 Both steps run in the same process, so both see the same heap setting at any moment; the setting is
-switched between measurements with glibc's mallopt (`system` puts glibc's defaults back and trims the heap
-first, so each `system` measurement starts from memory returned to the OS). Kiln's static program is
+switched between measurements with `kiln.runtime.heap.apply` (`system` puts glibc's defaults back and trims the
+heap first, so each `system` measurement starts from memory returned to the OS). Kiln's static program is
 tuned before anything is timed. Each round measures every (mode, setting) pair once after one untimed
 step, the order alternating; reported are medians of the step's wall time, its minor page faults and its
 system CPU time (the kernel's share, page faults included).
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import ctypes.util
 import json
 import os
 import resource
@@ -30,18 +28,11 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ["KILN_HEAP"] = "system"          # this script switches the heap itself
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-
 
 def set_heap(keep: bool) -> None:
-    if keep:
-        _LIBC.mallopt(_M_MMAP_MAX, 0)
-        _LIBC.mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1)
-    else:
-        _LIBC.mallopt(_M_MMAP_MAX, 65536)
-        _LIBC.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
-        _LIBC.malloc_trim(0)
+    """The setting Kiln's `keep` policy makes, or glibc's defaults back with the heap trimmed."""
+    from kiln.runtime import heap
+    heap.apply("keep" if keep else "system")
 
 
 def main() -> int:

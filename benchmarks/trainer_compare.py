@@ -161,7 +161,8 @@ def main() -> int:
         r["grad_norms"] = {int(k): v for k, v in r["grad_norms"].items()}
         results[mode] = r
     eager = results.get("eager")
-    print(f"\n{'mode':8} {'train()':>9} {'programs':>8} {'loss vs eager':>14} {'grad_norm vs eager':>19}")
+    print(f"\n{'mode':8} {'train()':>9} {'programs':>8} {'loss vs eager':>14} {'grad_norm vs eager':>19} "
+          f"{'sys CPU':>8} {'peak RSS':>9}")
     for mode, r in results.items():
         loss = norm = "-"
         if eager and mode != "eager":
@@ -169,7 +170,8 @@ def main() -> int:
             loss = "-" if rl is None else f"{rl:.1e}"
             norm = "-" if rn is None else f"{rn:.1e}"
             r.update(loss_rel=rl, grad_norm_rel=rn)
-        print(f"{mode:8} {r['total_s']:8.1f}s {r.get('programs', '-')!s:>8} {loss:>14} {norm:>19}")
+        print(f"{mode:8} {r['total_s']:8.1f}s {r.get('programs', '-')!s:>8} {loss:>14} {norm:>19} "
+              f"{r['sys_s']:7.1f}s {r['max_rss_mib'] or 0:6.0f}MiB")
     if "kiln" in results:
         for other in ("compile", "eager"):
             if other in results:
