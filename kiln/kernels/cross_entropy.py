@@ -7,6 +7,14 @@ incoming gradient, and multiplied into grad_hidden (rows of the chunk) and grad_
 in fp32). Peak extra memory is one chunk of logits (a fixed budget of elements, so the chunk gets
 fewer rows as the vocabulary grows) plus grad_weight, which is parameter-sized anyway.
 The price: the backward does one more matmul than eager (the recompute), 4 instead of 3 in all.
+
+`kiln::linear_cross_entropy_unchunked` is the same loss where the logits are small enough to keep:
+one matmul, the log-probabilities saved for the backward, 3 matmuls in all, as eager.
+
+Both skip the tokens whose label is `ignore_index` (padding, masked prompts, the last position of a
+shifted causal LM): those add nothing to the loss or to any gradient (their grad_hidden rows are 0),
+so their logits are never computed. The valid rows of hidden are gathered first (a tokens x hidden
+copy, small beside the vocabulary matmuls it shortens).
 """
 from __future__ import annotations
 
@@ -49,39 +57,97 @@ def _chunk_logits(h: Tensor, weight: Tensor, acc: torch.dtype) -> Tensor:
     return logits if logits.dtype == acc else logits.to(acc)
 
 
+def _valid_rows(hidden: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor | None, Tensor, Tensor, int]:
+    """(index of the tokens whose label counts, or None when all do; hidden's rows of those tokens;
+    their labels as a column; the number of tokens)."""
+    h2, y = rows(hidden), labels.reshape(-1)
+    valid = y != ignore_index
+    if bool(valid.all()):
+        return None, h2, y.unsqueeze(1), y.shape[0]
+    idx = valid.nonzero().squeeze(1)
+    return idx, h2.index_select(0, idx), y.index_select(0, idx).unsqueeze(1), y.shape[0]
+
+
+def _at_rows(values: Tensor, idx: Tensor | None, n: int) -> Tensor:
+    """The valid tokens' `values` put back at their rows of an n-row tensor, 0 at the ignored ones."""
+    if idx is None:
+        return values
+    return values.new_zeros((n, *values.shape[1:])).index_copy_(0, idx, values)
+
+
+def _reduce(per_token: Tensor, idx: Tensor | None, labels: Tensor, reduction: str) -> Tensor:
+    """The loss from the valid tokens' losses: their mean (0/0 = nan when every label is ignored, as
+    PyTorch), their sum, or one per token (0 at ignored tokens, labels' shape)."""
+    if reduction == "none":
+        return _at_rows(per_token, idx, labels.numel()).reshape(labels.shape)
+    total = per_token.sum()
+    return total if reduction == "sum" else total / per_token.shape[0]
+
+
+def _row_scale(grad: Tensor, idx: Tensor | None, k: int, reduction: str, acc: torch.dtype) -> Tensor:
+    """d loss / d (each valid token's loss), as a (k, 1) column."""
+    if reduction == "none":
+        g = grad.reshape(-1).to(acc)
+        return (g if idx is None else g.index_select(0, idx)).unsqueeze(1)
+    g = grad.to(acc).reshape(1, 1)
+    return g / k if reduction == "mean" and k else g
+
+
+class _Grads:
+    """grad_hidden (valid rows) and grad_weight, summed over blocks of d loss / d logits."""
+
+    def __init__(self, hv: Tensor, weight: Tensor, blocks: int):
+        self.hv, self.weight, self.blocks = hv, weight, blocks
+        self.hidden = torch.empty_like(hv)
+        self.w: Tensor | None = None
+
+    def add(self, s: int, e: int, p: Tensor) -> None:
+        pw = p if p.dtype == self.weight.dtype else p.to(self.weight.dtype)
+        torch.mm(pw, self.weight, out=self.hidden[s:e])
+        h = self.hv[s:e]
+        if self.w is None:
+            self.w = torch.mm(pw.t(), h)        # the first block initializes: no zero fill
+            if self.blocks > 1:
+                # more blocks follow: half types accumulate in fp32 (one weight-sized buffer, which a
+                # single block, as for a short sequence, does not need)
+                self.w = self.w.to(acc_dtype(self.weight.dtype))
+        elif self.w.dtype == pw.dtype:
+            self.w.addmm_(pw.t(), h)
+        else:
+            self.w.add_(torch.mm(pw.t(), h))
+
+    def result(self, hidden: Tensor, idx: Tensor | None) -> tuple[Tensor, Tensor]:
+        gw = torch.zeros_like(self.weight) if self.w is None else self.w.to(self.weight.dtype)  # no tokens: 0
+        return _at_rows(self.hidden, idx, rows(hidden).shape[0]).reshape(hidden.shape), gw
+
+
+# ---- chunked: the logits recomputed in the backward -------------------------------------------
 @torch.library.custom_op("kiln::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, reduction: str,
                             chunk_size: int) -> tuple[Tensor, Tensor]:
-    """(loss, lse): cross_entropy(hidden @ weight.T, labels); lse (labels' shape, fp32) is the
-    per-token log-sum-exp the backward needs. chunk_size <= 0 picks the chunk from LOGIT_BUDGET."""
+    """(loss, lse): cross_entropy(hidden @ weight.T, labels); lse (labels' shape, fp32; 0 at ignored
+    tokens) is the per-token log-sum-exp the backward needs. chunk_size <= 0 picks the chunk from
+    LOGIT_BUDGET."""
     impl = gpu_impl("linear_cross_entropy", hidden)
     if impl is not None:
         return impl(hidden, weight, labels, ignore_index, reduction, chunk_size)
     _check(hidden, weight, labels, reduction)
     acc = acc_dtype(hidden.dtype)
-    h2, y = rows(hidden), labels.reshape(-1)
-    n = h2.shape[0]
-    valid = y != ignore_index
-    safe_y = torch.where(valid, y, 0).unsqueeze(1)    # ignored rows gather class 0 and are masked below
-    lse = torch.empty(n, dtype=acc, device=hidden.device)
-    target = torch.empty(n, dtype=acc, device=hidden.device)
-    step = chunk_rows(n, weight.shape[0], chunk_size)
-    for s in range(0, n, step):
-        e = min(n, s + step)
-        z = _chunk_logits(h2[s:e], weight, acc)
-        target[s:e] = z.gather(1, safe_y[s:e]).squeeze(1)
+    idx, hv, yv, n = _valid_rows(hidden, labels, ignore_index)
+    k = hv.shape[0]
+    lse = torch.empty(k, dtype=acc, device=hidden.device)
+    target = torch.empty(k, dtype=acc, device=hidden.device)
+    step = chunk_rows(k, weight.shape[0], chunk_size)
+    for s in range(0, k, step):
+        e = min(k, s + step)
+        z = _chunk_logits(hv[s:e], weight, acc)
+        target[s:e] = z.gather(1, yv[s:e]).squeeze(1)
         # log-sum-exp in place: no second (rows x vocab) buffer for exp()
         m = z.amax(1, keepdim=True)
         lse[s:e] = z.sub_(m).exp_().sum(1).log_().add_(m.squeeze(1))
         del z
-    per_token = lse.sub(target).masked_fill_(~valid, 0.0)
-    if reduction == "none":
-        loss = per_token.reshape(labels.shape)
-    elif reduction == "sum":
-        loss = per_token.sum()
-    else:
-        loss = per_token.sum() / valid.sum()           # 0/0 = nan when every label is ignored, as PyTorch
-    return loss, lse.reshape(labels.shape)
+    loss = _reduce(lse - target, idx, labels, reduction)
+    return loss, _at_rows(lse, idx, n).reshape(labels.shape)
 
 
 @linear_cross_entropy_op.register_fake
@@ -100,43 +166,20 @@ def linear_cross_entropy_backward_op(grad: Tensor, hidden: Tensor, weight: Tenso
     if impl is not None:
         return impl(grad, hidden, weight, labels, lse, ignore_index, reduction, chunk_size)
     acc = acc_dtype(hidden.dtype)
-    h2, y, lse = rows(hidden), labels.reshape(-1), lse.reshape(-1)
-    n = h2.shape[0]
-    valid = y != ignore_index
-    safe_y = torch.where(valid, y, 0).unsqueeze(1)
-    # d loss / d logit_row = row_scale * (softmax - onehot); ignored rows get 0
-    if reduction == "none":
-        row_scale = grad.reshape(-1).to(acc) * valid
-    else:
-        g = grad.to(acc)
-        if reduction == "mean":
-            g = g / valid.sum().clamp(min=1)            # all ignored: every row is 0 anyway, as PyTorch
-        row_scale = valid.to(acc) * g
-    grad_hidden = torch.empty_like(h2)
-    grad_weight = None
-    step = chunk_rows(n, weight.shape[0], chunk_size)
-    for s in range(0, n, step):
-        e = min(n, s + step)
-        p = _chunk_logits(h2[s:e], weight, acc)
-        p.sub_(lse[s:e].unsqueeze(1)).exp_()                     # softmax, in place
-        p.scatter_add_(1, safe_y[s:e], -valid[s:e].unsqueeze(1).to(acc))   # - onehot (valid rows only)
-        p.mul_(row_scale[s:e].unsqueeze(1))
-        pw = p if p.dtype == weight.dtype else p.to(weight.dtype)
-        torch.mm(pw, weight, out=grad_hidden[s:e])
-        if grad_weight is None:
-            grad_weight = torch.mm(pw.t(), h2[s:e])       # the first chunk initializes: no zero fill
-            if e < n:
-                # more chunks follow: half types accumulate in fp32 (one weight-sized buffer, which a
-                # single chunk, as for a short sequence, does not need)
-                grad_weight = grad_weight.to(acc_dtype(weight.dtype))
-        elif grad_weight.dtype == pw.dtype:
-            grad_weight.addmm_(pw.t(), h2[s:e])
-        else:
-            grad_weight.add_(torch.mm(pw.t(), h2[s:e]))
-        del p, pw
-    if grad_weight is None:                                # no tokens at all
-        grad_weight = torch.zeros_like(weight)
-    return grad_hidden.reshape(hidden.shape), grad_weight.to(weight.dtype)
+    idx, hv, yv, _ = _valid_rows(hidden, labels, ignore_index)
+    k = hv.shape[0]
+    lse = lse.reshape(-1) if idx is None else lse.reshape(-1).index_select(0, idx)
+    scale = _row_scale(grad, idx, k, reduction, acc)
+    step = chunk_rows(k, weight.shape[0], chunk_size)
+    grads = _Grads(hv, weight, blocks=-(-k // step))
+    for s in range(0, k, step):
+        e = min(k, s + step)
+        # d loss / d logits = scale * (softmax - onehot), in place in the recomputed chunk
+        p = _chunk_logits(hv[s:e], weight, acc).sub_(lse[s:e].unsqueeze(1)).exp_()
+        p.scatter_add_(1, yv[s:e], p.new_full((e - s, 1), -1.0)).mul_(scale if scale.shape[0] == 1 else scale[s:e])
+        grads.add(s, e, p)
+        del p
+    return grads.result(hidden, idx)
 
 
 @linear_cross_entropy_backward_op.register_fake
@@ -160,3 +203,73 @@ def _backward(ctx, grad, _grad_lse):
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ---- unchunked: the log-probabilities kept for the backward ----------------------------------
+@torch.library.custom_op("kiln::linear_cross_entropy_unchunked", mutates_args=())
+def linear_cross_entropy_unchunked_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
+                                      reduction: str) -> tuple[Tensor, Tensor]:
+    """(loss, logp): cross_entropy(hidden @ weight.T, labels). logp (tokens x vocab, fp32) holds the
+    log-softmax of the valid tokens' logits in its first rows, in token order, and 0 after them: what
+    the backward needs, no more."""
+    impl = gpu_impl("linear_cross_entropy_unchunked", hidden)
+    if impl is not None:
+        return impl(hidden, weight, labels, ignore_index, reduction)
+    _check(hidden, weight, labels, reduction)
+    acc = acc_dtype(hidden.dtype)
+    idx, hv, yv, n = _valid_rows(hidden, labels, ignore_index)
+    k = hv.shape[0]
+    logp = torch.empty(n, weight.shape[0], dtype=acc, device=hidden.device)
+    torch.ops.aten._log_softmax.out(_chunk_logits(hv, weight, acc), 1, False, out=logp[:k])
+    logp[k:].zero_()
+    loss = _reduce(logp[:k].gather(1, yv).squeeze(1).neg(), idx, labels, reduction)
+    return loss, logp
+
+
+@linear_cross_entropy_unchunked_op.register_fake
+def _(hidden, weight, labels, ignore_index, reduction):
+    _check(hidden, weight, labels, reduction)
+    acc = acc_dtype(hidden.dtype)
+    loss = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=acc)
+    return loss, hidden.new_empty((labels.numel(), weight.shape[0]), dtype=acc)
+
+
+@torch.library.custom_op("kiln::linear_cross_entropy_unchunked_backward", mutates_args=())
+def linear_cross_entropy_unchunked_backward_op(grad: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor,
+                                               logp: Tensor, ignore_index: int,
+                                               reduction: str) -> tuple[Tensor, Tensor]:
+    """(grad_hidden, grad_weight) from the saved log-probabilities: two matmuls over the valid tokens."""
+    impl = gpu_impl("linear_cross_entropy_unchunked_backward", hidden)
+    if impl is not None:
+        return impl(grad, hidden, weight, labels, logp, ignore_index, reduction)
+    acc = acc_dtype(hidden.dtype)
+    idx, hv, yv, _ = _valid_rows(hidden, labels, ignore_index)
+    k = hv.shape[0]
+    p = logp[:k].exp()                                   # softmax, then - onehot, times the row's scale
+    p.scatter_add_(1, yv, p.new_full((k, 1), -1.0)).mul_(_row_scale(grad, idx, k, reduction, acc))
+    grads = _Grads(hv, weight, blocks=1)
+    if k:
+        grads.add(0, k, p)
+    return grads.result(hidden, idx)
+
+
+@linear_cross_entropy_unchunked_backward_op.register_fake
+def _(grad, hidden, weight, labels, logp, ignore_index, reduction):
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
+
+
+def _setup_unchunked(ctx, inputs, output):
+    hidden, weight, labels, ignore_index, reduction = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden, weight, labels, output[1])
+    ctx.args = (ignore_index, reduction)
+
+
+def _backward_unchunked(ctx, grad, _grad_logp):
+    hidden, weight, labels, logp = ctx.saved_tensors
+    gh, gw = torch.ops.kiln.linear_cross_entropy_unchunked_backward(grad, hidden, weight, labels, logp, *ctx.args)
+    return gh, gw, None, None, None
+
+
+linear_cross_entropy_unchunked_op.register_autograd(_backward_unchunked, setup_context=_setup_unchunked)

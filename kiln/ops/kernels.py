@@ -160,6 +160,20 @@ _backward_op(kiln_ops.linear_cross_entropy_backward.default, Kind.LOSS, LOW,
              cost=lambda n: _lce_flops(n, 6.0))   # recompute + grad_hidden + grad_weight
 
 
+def vjp_linear_cross_entropy_unchunked(b, n, g, _g_logp=None):
+    hidden, weight, labels, ignore_index, reduction = n.args[:5]
+    gh, gw = b(kiln_ops.linear_cross_entropy_unchunked_backward.default, g, hidden, weight, labels, n.outputs[1],
+               ignore_index, reduction)
+    return gh, gw, None, None, None
+
+
+# the same loss with the log-probabilities kept (small logits): no recompute in the backward
+defop(kiln_ops.linear_cross_entropy_unchunked.default, vjp_linear_cross_entropy_unchunked, Kind.LOSS, LOW,
+      cost=_lce_flops)
+_backward_op(kiln_ops.linear_cross_entropy_unchunked_backward.default, Kind.LOSS, LOW,
+             cost=lambda n: _lce_flops(n, 4.0))   # grad_hidden + grad_weight
+
+
 # ---- CTC loss (lengths as tensors): the backward recomputes ATen's alignment table ---------------
 def vjp_ctc_loss(b, n, g):
     lp, targets, il, tl = n.args[:4]

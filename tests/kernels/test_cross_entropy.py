@@ -1,4 +1,5 @@
-"""linear_cross_entropy vs F.linear + F.cross_entropy, and its memory bound."""
+"""linear_cross_entropy (chunked) and linear_cross_entropy_unchunked vs F.linear + F.cross_entropy, the
+tokens they skip, and the chunked kernel's memory bound."""
 from __future__ import annotations
 
 import json
@@ -27,6 +28,10 @@ def _fused(y, **kw):
     return lambda h, w: K.linear_cross_entropy(h, w, y, **kw)
 
 
+def _unchunked(y, ignore_index=-100, reduction="mean"):
+    return lambda h, w: torch.ops.kiln.linear_cross_entropy_unchunked(h, w, y, ignore_index, reduction)[0]
+
+
 def _ref(y, **kw):
     return lambda h, w: refs.linear_cross_entropy(h, w, y, **kw)
 
@@ -37,6 +42,56 @@ def test_reductions_and_chunks_fp32(reduction, chunk):
     """Chunk sizes that divide the tokens, do not, are 1 token, or exceed all tokens (0 = automatic)."""
     h, w, y = torch.randn(2, 13, 24), torch.randn(37, 24) * 0.5, _labels((2, 13), 37)
     check(_fused(y, reduction=reduction, chunk_size=chunk), _ref(y, reduction=reduction), [h, w], FP32)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignored", [0.0, 0.25, 0.9])
+def test_unchunked_reductions(reduction, ignored):
+    h, w, y = torch.randn(3, 11, 24), torch.randn(37, 24) * 0.5, _labels((3, 11), 37, ignored=ignored)
+    check(_unchunked(y, reduction=reduction), _ref(y, reduction=reduction), [h, w], FP32)
+
+
+def _mm_flops(fn, h, w) -> int:
+    """FLOPs of every matrix product run by forward + backward, inside the custom ops too (the profiler
+    records the ATen calls their implementations make, with their shapes)."""
+    from torch.profiler import profile
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with profile(record_shapes=True) as prof:
+        fn(h, w).backward()
+    total = 0
+    for e in prof.events():
+        if e.name in ("aten::mm", "aten::addmm", "aten::addmm_"):
+            (m, k), (_, n) = e.input_shapes[:2] if e.name == "aten::mm" else e.input_shapes[1:3]
+            total += 2 * m * k * n
+    return total
+
+
+@pytest.mark.parametrize("variant", ["chunked", "unchunked"])
+def test_ignored_tokens_cost_no_matmul(variant):
+    """Half the labels ignored: half the vocabulary matmuls, forward and backward (eager computes them all)."""
+    h, w = torch.randn(64, 16), torch.randn(500, 16)
+    every, half = _labels((64,), 500, ignored=0.0), _labels((64,), 500, ignored=0.0)
+    half[::2] = -100
+    kernel = (lambda y: _fused(y, chunk_size=24)) if variant == "chunked" else _unchunked
+    flops = {name: _mm_flops(kernel(y), h, w) for name, y in (("every", every), ("half", half))}
+    assert flops["every"] > 0 and flops["half"] == flops["every"] // 2, flops
+    assert _mm_flops(_ref(half), h, w) == _mm_flops(_ref(every), h, w)
+
+
+def test_nonfinite_hidden_at_an_ignored_token_stays_out_of_the_gradients():
+    """An ignored token's hidden row never meets the weight: a padding row of inf gives finite gradients
+    (the rows that count are unchanged)."""
+    h, w, y = torch.randn(10, 8), torch.randn(30, 8), _labels((10,), 30, ignored=0.0)
+    y[3] = -100
+    bad = h.clone()
+    bad[3] = float("inf")
+    for kernel in (_fused(y, chunk_size=4), _unchunked(y)):
+        grads = []
+        for x in (h, bad):
+            x, wx = x.clone().requires_grad_(), w.clone().requires_grad_()
+            kernel(x, wx).backward()
+            grads.append((x.grad, wx.grad))
+        torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -51,22 +106,25 @@ def test_fp64_formula_and_custom_ignore_index():
     for reduction in ("mean", "sum", "none"):
         check(_fused(y, ignore_index=3, reduction=reduction, chunk_size=6),
               _ref(y, ignore_index=3, reduction=reduction), [h, w], FP64)
+        check(_unchunked(y, ignore_index=3, reduction=reduction),
+              _ref(y, ignore_index=3, reduction=reduction), [h, w], FP64)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_labels_ignored(reduction):
     """PyTorch: mean is nan (0/0) with zero gradients; sum is 0; none is all zeros."""
     h, w, y = torch.randn(9, 8), torch.randn(11, 8), torch.full((9,), -100)
-    hf, wf = h.clone().requires_grad_(), w.clone().requires_grad_()
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
-    got = K.linear_cross_entropy(hf, wf, y, reduction=reduction, chunk_size=4)
     want = refs.linear_cross_entropy(hr, wr, y, reduction=reduction)
-    torch.testing.assert_close(got, want, equal_nan=True)
-    got.sum().backward()
     want.sum().backward()
-    torch.testing.assert_close(hf.grad, hr.grad, equal_nan=True)
-    torch.testing.assert_close(wf.grad, wr.grad, equal_nan=True)
-    assert not hf.grad.isnan().any() and not wf.grad.any()
+    for kernel in (_fused(y, reduction=reduction, chunk_size=4), _unchunked(y, reduction=reduction)):
+        hf, wf = h.clone().requires_grad_(), w.clone().requires_grad_()
+        got = kernel(hf, wf)
+        torch.testing.assert_close(got, want, equal_nan=True)
+        got.sum().backward()
+        torch.testing.assert_close(hf.grad, hr.grad, equal_nan=True)
+        torch.testing.assert_close(wf.grad, wr.grad, equal_nan=True)
+        assert not hf.grad.isnan().any() and not wf.grad.any()
 
 
 @pytest.mark.parametrize("chunk", [5, 0], ids=["fp32-accumulated-chunks", "one-chunk"])
@@ -74,6 +132,9 @@ def test_bf16_loss_is_fp32(chunk):
     h, w, y = torch.randn(12, 16).bfloat16(), (torch.randn(40, 16) * 0.5).bfloat16(), _labels((12,), 40)
     out = check(_fused(y, chunk_size=chunk), _ref(y), [h, w], BF16, ref_dtype=torch.float32)
     assert out[0].dtype == torch.float32
+    if chunk == 0:
+        out = check(_unchunked(y), _ref(y), [h, w], BF16, ref_dtype=torch.float32)
+        assert out[0].dtype == torch.float32
 
 
 def test_chunk_rows_do_not_grow_with_tokens():

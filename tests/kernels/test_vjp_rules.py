@@ -33,10 +33,17 @@ def _dal_ref(x, r, w, b, p, eps, training):
     return (F.layer_norm(s, (s.shape[-1],), w, b, eps), s, *_ln_stats(s, eps), torch.empty(0, dtype=torch.bool))
 
 
-def _lce_ref(h, w, y, ignore_index, reduction, chunk):
+def _lce_ref(h, w, y, ignore_index, reduction, chunk=None):
+    """(loss, lse) as the chunked op returns them: the log-sum-exp of each token's logits, 0 at ignored
+    tokens; the unchunked op's second output is the valid tokens' log-softmax rows, first, then 0."""
     logits = F.linear(h, w)
     loss = F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=ignore_index, reduction=reduction)
-    return loss.reshape(y.shape) if reduction == "none" else loss, torch.logsumexp(logits, -1).detach()
+    loss = loss.reshape(y.shape) if reduction == "none" else loss
+    valid = y != ignore_index
+    if chunk is None:
+        rows = logits.detach().flatten(0, -2)[valid.flatten()].log_softmax(-1)
+        return loss, torch.cat([rows, rows.new_zeros(y.numel() - rows.shape[0], w.shape[0])])
+    return loss, torch.logsumexp(logits, -1).detach() * valid
 
 
 @dataclass
@@ -80,6 +87,12 @@ CASES = [
                     "mean", 5), _lce_ref),
     Case("linear_cross_entropy-none", k.linear_cross_entropy.default,
          lambda d: (_r(7, 8, dtype=d), _r(20, 8, dtype=d), torch.tensor([1, -100, 3, 4, 19, 0, 2]), -100, "none", 3),
+         _lce_ref),
+    Case("linear_cross_entropy_unchunked", k.linear_cross_entropy_unchunked.default,
+         lambda d: (_r(2, 6, 8, dtype=d), _r(20, 8, dtype=d), torch.tensor([[1, -100, 3, 4, 19, 0]] * 2), -100,
+                    "mean"), _lce_ref),
+    Case("linear_cross_entropy_unchunked-none", k.linear_cross_entropy_unchunked.default,
+         lambda d: (_r(7, 8, dtype=d), _r(20, 8, dtype=d), torch.tensor([1, -100, 3, 4, 19, 0, -100]), -100, "none"),
          _lce_ref),
     # lengths as tensors: the reference is torch's own CTC loss
     Case("ctc_loss", k.ctc_loss.default,

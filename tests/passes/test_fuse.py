@@ -237,14 +237,15 @@ def _llama(vocab=128):
     return transformers.LlamaForCausalLM(cfg), torch.randint(0, vocab, (2, 12))
 
 
-def _train_both(model, ids, steps=3, **compile_kw):
+def _train_both(model, ids, steps=3, labels=None, **compile_kw):
+    labels = ids if labels is None else labels
     ref = copy.deepcopy(model)
     step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), **compile_kw)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for _ in range(steps):
-        got = step(input_ids=ids, labels=ids)
+        got = step(input_ids=ids, labels=labels)
         opt.zero_grad()
-        want = ref(input_ids=ids, labels=ids).loss
+        want = ref(input_ids=ids, labels=labels).loss
         want.backward()
         opt.step()
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
@@ -268,13 +269,46 @@ def test_llama_fuses_norms_rope_and_swiglu_and_trains_like_eager():
     assert len(updates[0].args[0]) == len(list(model.parameters()))
 
 
-def test_large_vocabulary_fuses_the_loss(monkeypatch):
+@pytest.mark.parametrize("kernel", ["chunked", "unchunked"])
+def test_vocabulary_projection_fuses_with_the_loss(monkeypatch, kernel):
+    """Logits of LOGITS_BYTES_TO_FUSE or more: one kernel, chunked from LOGITS_BYTES_TO_CHUNK (the tiny
+    model takes the same code path with the thresholds at 0). Padding (ignored labels) trains like eager."""
     from kiln.dialects import kiln_kernels
-    monkeypatch.setattr(kiln_kernels, "LOGITS_BYTES_TO_FUSE", 0)     # tiny model, same code path
+    monkeypatch.setattr(kiln_kernels, "LOGITS_BYTES_TO_FUSE", 0)
+    monkeypatch.setattr(kiln_kernels, "LOGITS_BYTES_TO_CHUNK", 0 if kernel == "chunked" else 2 ** 40)
     model, ids = _llama()
-    step = _train_both(model, ids)
-    assert sum(n.target is kiln_ops.linear_cross_entropy.default for n in step.graph.nodes) == 1
+    labels = ids.clone()
+    labels[0, 7:] = -100                                   # a padded row
+    step = _train_both(model, ids, labels=labels)
+    op = kiln_ops.linear_cross_entropy if kernel == "chunked" else kiln_ops.linear_cross_entropy_unchunked
+    assert sum(n.target is op.default for n in step.graph.nodes) == 1
     assert sum(n.target is aten._log_softmax.default for n in step.graph.nodes) == 0
+
+
+def test_fused_loss_with_dynamic_lengths_and_padding_trains_like_eager(monkeypatch):
+    """One dynamic program over batches of other lengths, each padded differently (labels and input_ids
+    are separate inputs, so their sizes are separate symbols): still one fused loss, equal to eager."""
+    from kiln.dialects import kiln_kernels
+    monkeypatch.setattr(kiln_kernels, "LOGITS_BYTES_TO_FUSE", 0)
+    model, _ = _llama()
+    ref = copy.deepcopy(model)
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), dynamic=True)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    for length in (12, 7, 15, 9):
+        ids = torch.randint(0, 128, (3, length), generator=g)
+        mask = torch.arange(length)[None] < torch.randint(2, length + 1, (3, 1), generator=g)
+        labels = ids.masked_fill(~mask, -100)
+        got = step(input_ids=ids, attention_mask=mask.long(), labels=labels)
+        opt.zero_grad()
+        want = ref(input_ids=ids, attention_mask=mask.long(), labels=labels).loss
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5, msg=name)
+    assert step.cache_info().compiles == 1
+    assert sum(n.target is kiln_ops.linear_cross_entropy_unchunked.default for n in step.graph.nodes) == 1
 
 
 def test_small_vocabulary_keeps_the_logits():
