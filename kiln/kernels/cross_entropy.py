@@ -9,7 +9,8 @@ fewer rows as the vocabulary grows) plus grad_weight, which is parameter-sized a
 The price: the backward does one more matmul than eager (the recompute), 4 instead of 3 in all.
 
 `kiln::linear_cross_entropy_unchunked` is the same loss where the logits are small enough to keep:
-one matmul, the log-probabilities saved for the backward, 3 matmuls in all, as eager.
+one matmul, the log-probabilities saved for the backward, 3 matmuls in all, as eager. Its temporaries
+stay within TEMP_BUDGET elements.
 
 Both skip the tokens whose label is `ignore_index` (padding, masked prompts, the last position of a
 shifted causal LM): those add nothing to the loss or to any gradient (their grad_hidden rows are 0),
@@ -29,14 +30,19 @@ from kiln.kernels._common import acc_dtype, gpu_impl, rows
 # the weight itself for hidden >= 128. Either way the chunk does not grow with the number of tokens.
 LOGIT_BUDGET = 1 << 24
 MIN_ROWS = 128
+# The unchunked kernel's temporaries (half-type logits before their cast, the backward's softmax - onehot)
+# are made a block of rows at a time, at most 8M elements (32 MiB in fp32; one block for 1024 tokens of an
+# 8k vocabulary, since more blocks cost speed: each streams the whole weight). Kiln's memory model counts
+# the values a graph names, not a kernel's temporaries (kiln/passes/memory.py).
+TEMP_BUDGET = 1 << 23
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def chunk_rows(n_rows: int, vocab: int, chunk_size: int) -> int:
-    """Rows per chunk: `chunk_size` if given (> 0), else as many as fit LOGIT_BUDGET (at least MIN_ROWS)."""
+def chunk_rows(n_rows: int, vocab: int, chunk_size: int, budget: int = LOGIT_BUDGET) -> int:
+    """Rows per chunk: `chunk_size` if given (> 0), else as many as fit `budget` logits (at least MIN_ROWS)."""
     if chunk_size > 0:
         return chunk_size
-    return max(1, min(n_rows, max(MIN_ROWS, LOGIT_BUDGET // max(vocab, 1))))
+    return max(1, min(n_rows, max(MIN_ROWS, budget // max(vocab, 1))))
 
 
 def _check(hidden: Tensor, weight: Tensor, labels: Tensor, reduction: str) -> None:
@@ -121,6 +127,21 @@ class _Grads:
         return _at_rows(self.hidden, idx, rows(hidden).shape[0]).reshape(hidden.shape), gw
 
 
+def _backward_by_blocks(grad, hidden, weight, idx, hv, yv, reduction, step, softmax) -> tuple[Tensor, Tensor]:
+    """(grad_hidden, grad_weight): for each block of `step` valid rows, d loss / d logits = scale * (softmax -
+    onehot), in place in the block's `softmax(s, e)` (a fresh buffer), into both gradients."""
+    k = hv.shape[0]
+    scale = _row_scale(grad, idx, k, reduction, acc_dtype(hidden.dtype))
+    grads = _Grads(hv, weight, blocks=-(-k // step))
+    for s in range(0, k, step):
+        e = min(k, s + step)
+        p = softmax(s, e)
+        p.scatter_add_(1, yv[s:e], p.new_full((e - s, 1), -1.0)).mul_(scale if scale.shape[0] == 1 else scale[s:e])
+        grads.add(s, e, p)
+        del p
+    return grads.result(hidden, idx)
+
+
 # ---- chunked: the logits recomputed in the backward -------------------------------------------
 @torch.library.custom_op("kiln::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, reduction: str,
@@ -169,17 +190,9 @@ def linear_cross_entropy_backward_op(grad: Tensor, hidden: Tensor, weight: Tenso
     idx, hv, yv, _ = _valid_rows(hidden, labels, ignore_index)
     k = hv.shape[0]
     lse = lse.reshape(-1) if idx is None else lse.reshape(-1).index_select(0, idx)
-    scale = _row_scale(grad, idx, k, reduction, acc)
-    step = chunk_rows(k, weight.shape[0], chunk_size)
-    grads = _Grads(hv, weight, blocks=-(-k // step))
-    for s in range(0, k, step):
-        e = min(k, s + step)
-        # d loss / d logits = scale * (softmax - onehot), in place in the recomputed chunk
-        p = _chunk_logits(hv[s:e], weight, acc).sub_(lse[s:e].unsqueeze(1)).exp_()
-        p.scatter_add_(1, yv[s:e], p.new_full((e - s, 1), -1.0)).mul_(scale if scale.shape[0] == 1 else scale[s:e])
-        grads.add(s, e, p)
-        del p
-    return grads.result(hidden, idx)
+    # each chunk's softmax, from its recomputed logits (in place)
+    return _backward_by_blocks(grad, hidden, weight, idx, hv, yv, reduction, chunk_rows(k, weight.shape[0], chunk_size),
+                               lambda s, e: _chunk_logits(hv[s:e], weight, acc).sub_(lse[s:e].unsqueeze(1)).exp_())
 
 
 @linear_cross_entropy_backward_op.register_fake
@@ -220,7 +233,14 @@ def linear_cross_entropy_unchunked_op(hidden: Tensor, weight: Tensor, labels: Te
     idx, hv, yv, n = _valid_rows(hidden, labels, ignore_index)
     k = hv.shape[0]
     logp = torch.empty(n, weight.shape[0], dtype=acc, device=hidden.device)
-    torch.ops.aten._log_softmax.out(_chunk_logits(hv, weight, acc), 1, False, out=logp[:k])
+    if hv.dtype == weight.dtype == acc:                  # the logits straight into the kept buffer
+        torch.mm(hv, weight.t(), out=logp[:k])
+    else:                                                # half types: cast a block of rows at a time
+        step = chunk_rows(k, weight.shape[0], 0, TEMP_BUDGET)
+        for s in range(0, k, step):
+            logp[s:min(k, s + step)].copy_(torch.mm(hv[s:s + step], weight.t()))
+    # log-softmax in place: ATen's kernel reads each row whole before writing it (tests check the result)
+    torch.ops.aten._log_softmax.out(logp[:k], 1, False, out=logp[:k])
     logp[k:].zero_()
     loss = _reduce(logp[:k].gather(1, yv).squeeze(1).neg(), idx, labels, reduction)
     return loss, logp
@@ -242,15 +262,9 @@ def linear_cross_entropy_unchunked_backward_op(grad: Tensor, hidden: Tensor, wei
     impl = gpu_impl("linear_cross_entropy_unchunked_backward", hidden)
     if impl is not None:
         return impl(grad, hidden, weight, labels, logp, ignore_index, reduction)
-    acc = acc_dtype(hidden.dtype)
     idx, hv, yv, _ = _valid_rows(hidden, labels, ignore_index)
-    k = hv.shape[0]
-    p = logp[:k].exp()                                   # softmax, then - onehot, times the row's scale
-    p.scatter_add_(1, yv, p.new_full((k, 1), -1.0)).mul_(_row_scale(grad, idx, k, reduction, acc))
-    grads = _Grads(hv, weight, blocks=1)
-    if k:
-        grads.add(0, k, p)
-    return grads.result(hidden, idx)
+    return _backward_by_blocks(grad, hidden, weight, idx, hv, yv, reduction,
+                               chunk_rows(hv.shape[0], weight.shape[0], 0, TEMP_BUDGET), lambda s, e: logp[s:e].exp())
 
 
 @linear_cross_entropy_unchunked_backward_op.register_fake

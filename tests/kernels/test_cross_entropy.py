@@ -51,6 +51,18 @@ def test_unchunked_reductions(reduction, ignored):
     check(_unchunked(y, reduction=reduction), _ref(y, reduction=reduction), [h, w], FP32)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_unchunked_in_blocks_of_rows(monkeypatch, dtype):
+    """Temporaries a block of rows at a time (here the smallest block, 128 rows: 3 blocks for 300 tokens)."""
+    from kiln.kernels import cross_entropy
+    monkeypatch.setattr(cross_entropy, "TEMP_BUDGET", 1)
+    h, w, y = torch.randn(300, 16), torch.randn(37, 16) * 0.5, _labels((300,), 37)
+    if dtype == "fp32":
+        check(_unchunked(y, reduction="sum"), _ref(y, reduction="sum"), [h, w], FP32)
+    else:
+        check(_unchunked(y), _ref(y), [h.bfloat16(), w.bfloat16()], BF16, ref_dtype=torch.float32)
+
+
 def _mm_flops(fn, h, w) -> int:
     """FLOPs of every matrix product run by forward + backward, inside the custom ops too (the profiler
     records the ATen calls their implementations make, with their shapes)."""
