@@ -66,6 +66,17 @@ def arguments(out, **kw):
     return transformers.TrainingArguments(**base)
 
 
+def assert_params_close(model, ref_model):
+    """Parameters within PARAM_TOL, except GPT-2's key bias (the middle third of c_attn.bias): it adds the same
+    q . b_k to every score of a query's row, which softmax ignores, so its true gradient is 0 and both runs'
+    values are AdamW steps on float noise (a random walk that leaves 2e-4 within 200 updates)."""
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        if name.endswith("attn.c_attn.bias"):
+            third = p.shape[0] // 3
+            p, q = torch.cat([p[:third], p[2 * third:]]), torch.cat([q[:third], q[2 * third:]])
+        torch.testing.assert_close(p, q, **PARAM_TOL, msg=lambda m: f"{name}: {m}")
+
+
 def losses(trainer):
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
@@ -113,8 +124,7 @@ def test_trainer_matches_eager_trainer(data, eager, tmp_path):
     norms = grad_norms(trainer)     # the logged gradient norm: before clipping, of the window's summed gradient
     assert sorted(norms) == sorted(ref_norms) == LOGGED
     assert_losses_close(norms, ref_norms)
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p, q, **PARAM_TOL, msg=lambda m: f"{name}: {m}")
+    assert_params_close(model, ref_model)
     # evaluation is the Trainer's own, on the eager model whose parameters Kiln updated in place (also between
     # training steps: eval mode, then training goes on)
     got_evals = evals(trainer)
@@ -155,8 +165,7 @@ def test_stop_and_resume_from_checkpoint_continues_exactly(data, eager, tmp_path
     assert sorted(got) == [s for s in LOGGED if s > HALF]
     assert_losses_close(got, ref_losses)
     assert_losses_close({s: v for s, v in grad_norms(second).items() if s > HALF}, ref_norms)
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p, q, **PARAM_TOL, msg=lambda m: f"{name}: {m}")
+    assert_params_close(model, ref_model)
 
 
 def test_bf16_and_per_batch_mean_loss_match_eager(data, tmp_path):
