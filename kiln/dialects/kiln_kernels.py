@@ -143,7 +143,8 @@ def build_linear_cross_entropy(b, matches):
     size = hint(tokens) * hint(shape(w)[0]) * 4
     # nll_loss needs as many labels as rows of logits: with dynamic sizes they may be different symbols
     # (labels and input_ids are separate inputs), equal by the program's guard that nll_loss put there
-    if size < LOGITS_BYTES_TO_FUSE or not (same(labels.meta.numel, tokens) or hint(labels.meta.numel) == hint(tokens)):
+    counted = same(labels.meta.numel, tokens) or hint(labels.meta.numel) == hint(tokens)
+    if size < LOGITS_BYTES_TO_FUSE or not counted:
         return None
     hidden = reshape(b, h, [tokens, shape(h)[-1]])
     args = (hidden, w, reshape(b, labels, [tokens]), m["ignore_index"], REDUCTIONS[m["reduction"]])

@@ -239,8 +239,11 @@ def linear_cross_entropy_unchunked_op(hidden: Tensor, weight: Tensor, labels: Te
         step = chunk_rows(k, weight.shape[0], 0, TEMP_BUDGET)
         for s in range(0, k, step):
             logp[s:min(k, s + step)].copy_(torch.mm(hv[s:s + step], weight.t()))
-    # log-softmax in place: ATen's kernel reads each row whole before writing it (tests check the result)
-    torch.ops.aten._log_softmax.out(logp[:k], 1, False, out=logp[:k])
+    if logp.device.type == "cpu":
+        # log-softmax in place: ATen's CPU kernel reads each row whole before writing it (tests check it)
+        torch.ops.aten._log_softmax.out(logp[:k], 1, False, out=logp[:k])
+    else:                                                # other backends' kernels: not checked for aliasing
+        logp[:k] = torch.log_softmax(logp[:k], 1)
     logp[k:].zero_()
     loss = _reduce(logp[:k].gather(1, yv).squeeze(1).neg(), idx, labels, reduction)
     return loss, logp
