@@ -1,15 +1,17 @@
 """Peak memory and speed under a memory budget: eager, torch.compile and Kiln, each run in its own process.
 
     .venv/bin/python benchmarks/memory_budget.py [--model gpt2|llama|bert] [--dtype fp32|bf16] [--json out.json]
-        [--steps 5] [--threads 2]
+        [--steps 5] [--threads 2] [--speed-rounds 12]
 
 What it measures (the goals of the memory issue):
 1. eager PyTorch at batch 8: its peak tensor memory, the *budget*;
 2. Kiln at batch 16 without a budget, and with `memory_budget=` that budget: the peak, and tokens per second
    (the budgeted run against the unconstrained one);
 3. torch.compile at batch 16 with `torch._functorch.config.activation_memory_budget` set to the same
-   fraction (Kiln's budget over its unconstrained peak);
-4. at batch 8 without budgets: Kiln's peak against torch.compile's.
+   fraction (what Kiln's budget leaves for its step, over its unconstrained peak);
+4. at batch 8 without budgets: Kiln's peak against torch.compile's;
+5. with --speed-rounds N: Kiln at batch 16 with and without the budget in one process, steps alternated,
+   for the throughput ratio (sequential runs drift with the machine's load).
 
 Peak memory is the C allocator's count of what it holds (glibc `mallinfo2`: in-use heap chunks plus
 mmapped ones), sampled every 0.2 ms by a thread during the measured steps, after a warm-up: tensors
@@ -124,9 +126,43 @@ def worker(args) -> dict:
         # tensors; the step's peak measured from outside is the sampled peak less that
         out["step_peak"] = out["peak"] - (out["at_rest"] - rep.persistent)
         out.update(predicted_peak=rep.predicted_peak, measured_peak=rep.measured_peak, budget=rep.budget,
+                   outside=rep.outside, unconstrained=rep.unconstrained,
                    recomputed=len(rep.recomputed), extra_flops=rep.extra_flops, report=str(rep))
         step.close()
     return out
+
+
+def interleaved(args) -> dict:
+    """Kiln at batch 16 without a budget and with one, in one process, their steps alternated (after both
+    settled their tuning): the throughput ratio, free of the drift between sequential runs. Both run under
+    the budget's heap policy (`KILN_HEAP` is process-wide; Kiln's static step hardly depends on it)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import kiln
+    from kiln.bench import zoo
+    entry = zoo.get(args.model, "default", batch=args.batch)
+    batch = entry.build_batch(0)
+    steps = {}
+    for name, budget in (("free", None), ("budget", args.kiln_budget)):
+        torch.manual_seed(0)
+        steps[name] = kiln.compile(entry.build_model(), optimizer=kiln.optim.AdamW(lr=1e-4, weight_decay=0.01),
+                                   amp="bf16" if args.dtype == "bf16" else None, memory_budget=budget)
+        for _ in range(1 + args.warmup):
+            steps[name](**batch)
+    deadline = time.perf_counter() + args.settle
+    while any(s.pending_tuning() for s in steps.values()) and time.perf_counter() < deadline:
+        for s in steps.values():
+            s(**batch)
+    times: dict = {name: [] for name in steps}
+    for i in range(args.steps):
+        for name in (steps if i % 2 == 0 else reversed(list(steps))):
+            t = time.perf_counter()
+            steps[name](**batch)
+            times[name].append(time.perf_counter() - t)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    rep = steps["budget"].memory()
+    return dict(step_s=med, ratio=med["free"] / med["budget"], recomputed=len(rep.recomputed),
+                extra_flops=rep.extra_flops, rounds=args.steps)
 
 
 def launch(args, mode: str, batch: int, **extra) -> dict:
@@ -145,7 +181,8 @@ def launch(args, mode: str, batch: int, **extra) -> dict:
     with open(path) as f:
         got = json.load(f)
     os.unlink(path)
-    print(f"  peak {got['peak'] / MIB:.0f} MiB, {got['step_s']:.3f} s/step", file=sys.stderr, flush=True)
+    if "peak" in got:
+        print(f"  peak {got['peak'] / MIB:.0f} MiB, {got['step_s']:.3f} s/step", file=sys.stderr, flush=True)
     return got
 
 
@@ -157,6 +194,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--settle", type=float, default=300.0, help="seconds Kiln may tune before measuring")
+    p.add_argument("--speed-rounds", type=int, default=0,
+                   help="then Kiln batch 16 with and without the budget in one process, N alternated steps each")
     p.add_argument("--json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -165,7 +204,7 @@ def main() -> int:
     p.add_argument("--activation-budget", type=float, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        result = worker(args)
+        result = interleaved(args) if args.worker == "interleaved" else worker(args)
         with open(args.out, "w") as f:
             json.dump(result, f)
         return 0
@@ -174,16 +213,28 @@ def main() -> int:
     budget = runs["eager_b8"]["peak"]
     runs["kiln_b16"] = launch(args, "kiln", 16)
     runs["kiln_b16_budget"] = launch(args, "kiln", 16, kiln_budget=budget)
-    fraction = min(1.0, budget / runs["kiln_b16"]["predicted_peak"]) if "predicted_peak" in runs["kiln_b16"] else None
+    # the same fraction for torch.compile: what the budget left for Kiln's step (the process's own heap
+    # taken out) over its peak without a budget
+    got = runs["kiln_b16_budget"]
+    fraction = (min(1.0, (got["budget"] - got["outside"]) / got["unconstrained"])
+                if got.get("unconstrained") else None)
     runs["compile_b16_budget"] = launch(args, "compile", 16, activation_budget=round(fraction, 3) if fraction else None)
     runs["kiln_b8"] = launch(args, "kiln", 8)
     runs["compile_b8"] = launch(args, "compile", 8)
+    if args.speed_rounds:
+        args.steps = args.speed_rounds
+        runs["interleaved_b16"] = launch(args, "interleaved", 16, kiln_budget=budget)
     print(f"\n{args.model} {args.dtype}: budget = eager's peak at batch 8 = {budget / MIB:.0f} MiB "
-          f"(fraction for torch.compile: {fraction:.3f})")
+          f"(fraction for torch.compile: {fraction if fraction is None else round(fraction, 3)})")
     print(f"{'run':22} {'peak MiB':>9} {'step peak':>9} {'predicted':>9} {'s/step':>8} {'tokens/s':>9}")
     for k, r in runs.items():
         if "failed" in r:
             print(f"{k:22} failed (exit {r['failed']})")
+            continue
+        if k == "interleaved_b16":
+            print(f"Kiln batch 16, alternated in one process ({r['rounds']} steps each): {r['step_s']['free']:.3f} s "
+                  f"without the budget, {r['step_s']['budget']:.3f} s with it: {r['ratio']:.3f} of the unconstrained "
+                  f"speed ({r['recomputed']} ops recomputed, {r['extra_flops'] / 1e9:.2f} GFLOP)")
             continue
         pred = f"{r['predicted_peak'] / MIB:9.0f}" if "predicted_peak" in r else f"{'-':>9}"
         own = f"{r['step_peak'] / MIB:9.0f}" if "step_peak" in r else f"{'-':>9}"

@@ -57,11 +57,14 @@ def compile(model: "torch.nn.Module", *, optimizer: "optim.Optimizer | torch.opt
             batch. False: one program per distinct shape. A dict names the dynamic dimensions, e.g.
             {"input_ids": {1: "seq"}, "labels": {1: "seq"}} (positional arguments by index); dimensions with
             one name are one size. `step.cache_info()` lists the programs, their symbolic sizes and guards.
-        memory_budget: the peak memory a step may take: bytes (an int, or "6GiB", "512MiB"), or a fraction
-            of the predicted peak without it (0.5). Kiln recomputes activations in the backward instead of
-            keeping them, cheapest first, until the predicted peak fits; a budget it cannot meet raises a
-            KilnError naming the smallest peak it can reach. `step.memory()` reports the peak, what is live
-            there and what was recomputed (`measure=True` checks it against the allocator).
+        memory_budget: the peak memory a step may take: bytes (an int, or "6GiB", "512MiB") for the whole
+            process's heap, so what the process holds besides the step's tensors (torch, the model's
+            Python side, other tensors; measured when compiling and after the first step) leaves that much
+            less for the step; or a fraction of the step's predicted peak without it (0.5). Kiln recomputes
+            activations in the backward instead of keeping them, cheapest first, until the predicted peak
+            fits; a budget it cannot meet raises a KilnError naming the smallest peak it can reach.
+            `step.memory()` reports the peak, what is live there and what was recomputed (`measure=True`
+            checks it against the allocator).
         verify: run the graph verifier after every pass (slower compiles; for debugging).
         tuning: when kernels that are only sometimes faster than ATen's (Inductor regions, oneDNN) are
             compiled and measured on CPU. "online" (default, or $KILN_TUNING): the first step runs at

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 import kiln.kernels  # noqa: F401  (defines torch.ops.kiln.*)
+from kiln.kernels._common import acc_dtype
+from kiln.kernels.cross_entropy import LOGIT_BUDGET, TEMP_BUDGET, chunk_rows
 from kiln.kernels.norms import dropout_scale
 from kiln.ops.common import arg, shape, sum_to
 from kiln.ops.registry import Cast, Kind, defop
@@ -152,12 +154,35 @@ def _lce_flops(n, factor: float = 2.0) -> float:
     return factor * _numel(hidden) * hint(shape(weight)[0])
 
 
+def _lce_workspace(n, chunked: bool) -> int:
+    """Bytes of the loss kernels' own temporaries (kiln/kernels/cross_entropy.py), at most: a chunk (or a
+    block) of fp32 logits, its half-type copies, the gathered rows of the counted tokens and, in the
+    backward, grad_hidden before it is scattered back and a half-type grad_weight's fp32 sum."""
+    backward = not n.op.differentiable
+    hidden, weight = (n.args[1], n.args[2]) if backward else (n.args[0], n.args[1])
+    chunk = n.args[7] if chunked and backward else n.args[5] if chunked else 0
+    tokens = int(_numel(hidden)) // hint(shape(hidden)[-1])
+    vocab, width = hint(shape(weight)[0]), hint(shape(weight)[1])
+    item, acc = hidden.meta.dtype.itemsize, acc_dtype(hidden.meta.dtype).itemsize
+    rows = chunk_rows(tokens, vocab, chunk if isinstance(chunk, int) else 0, LOGIT_BUDGET if chunked else TEMP_BUDGET)
+    half = item != acc
+    if chunked or backward:         # fp32 logits (or softmax - onehot) of a chunk, and its half-type copy
+        per_logit = acc + (item if half else 0)
+    else:                           # the unchunked forward's matmul writes the kept buffer; half: a block
+        per_logit = item if half else 0
+    block = rows * vocab * per_logit
+    rows_kept = tokens * width * item * (2 if backward else 1)
+    return int(block + rows_kept + (vocab * width * acc if backward and half else 0))
+
+
 # Cast LOWER although it is a loss: it is the vocabulary projection (the model's biggest matmul), which
 # amp must run in low precision as it would the unfused lm_head; the kernel keeps the softmax
 # statistics and the loss in fp32 itself. amp_overrides={"kiln.linear_cross_entropy": "fp32"} opts out.
-defop(kiln_ops.linear_cross_entropy.default, vjp_linear_cross_entropy, Kind.LOSS, LOW, cost=_lce_flops)
+defop(kiln_ops.linear_cross_entropy.default, vjp_linear_cross_entropy, Kind.LOSS, LOW, cost=_lce_flops,
+      workspace=lambda n: _lce_workspace(n, chunked=True))
 _backward_op(kiln_ops.linear_cross_entropy_backward.default, Kind.LOSS, LOW,
-             cost=lambda n: _lce_flops(n, 6.0))   # recompute + grad_hidden + grad_weight
+             cost=lambda n: _lce_flops(n, 6.0),   # recompute + grad_hidden + grad_weight
+             workspace=lambda n: _lce_workspace(n, chunked=True))
 
 
 def vjp_linear_cross_entropy_unchunked(b, n, g, _g_logp=None):
@@ -169,9 +194,10 @@ def vjp_linear_cross_entropy_unchunked(b, n, g, _g_logp=None):
 
 # the same loss with the log-probabilities kept (small logits): no recompute in the backward
 defop(kiln_ops.linear_cross_entropy_unchunked.default, vjp_linear_cross_entropy_unchunked, Kind.LOSS, LOW,
-      cost=_lce_flops)
+      cost=_lce_flops, workspace=lambda n: _lce_workspace(n, chunked=False))
 _backward_op(kiln_ops.linear_cross_entropy_unchunked_backward.default, Kind.LOSS, LOW,
-             cost=lambda n: _lce_flops(n, 4.0))   # grad_hidden + grad_weight
+             cost=lambda n: _lce_flops(n, 4.0),   # grad_hidden + grad_weight
+             workspace=lambda n: _lce_workspace(n, chunked=False))
 
 
 # ---- CTC loss (lengths as tensors): the backward recomputes ATen's alignment table ---------------

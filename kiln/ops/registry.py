@@ -64,6 +64,9 @@ class OpDef:
     differentiable: bool = True                  # False: outputs never carry gradient (comparisons)
     side_effects: bool = False                   # True: never removed, never merged, never reordered
     cost: Callable[[Any], float] = _default_cost
+    # bytes of temporaries the kernel makes and frees inside itself (a chunk of logits), at the compiled
+    # batch's sizes: the memory model counts them at the node (kiln/passes/memory.py)
+    workspace: Callable[[Any], int] | None = None
     infer: Callable[..., list] | None = None     # shape inference for non-ATen ops (args, kwargs) -> metas
     doc: str = ""
 

@@ -8,9 +8,10 @@ base's storage: the storage is freed when its last alias dies). What lives longe
 - what an update kernel stages for the commit (kiln/transaction.py): its arguments (the gradients) and the
   values it computed out of place are held by the transaction until the step returns;
 - what an autograd-fallback pair saves (its closure holds its inputs) until its backward node.
-Sizes are in bytes at the compiled batch's sizes (`hint` for symbolic ones). Kernel workspaces (a matmul's
-packing buffers, a fused kernel's temporaries) are not modelled: the prediction is the peak of the values
-the graph names, which `measure_live` checks against the allocator on a replay (kiln/runtime/step.py).
+Sizes are in bytes at the compiled batch's sizes (`hint` for symbolic ones). A kernel's own temporaries
+count at its node where its op declares them (`OpDef.workspace`: the loss kernels' chunk of logits);
+other workspaces (a matmul's packing buffers) are small and not modelled. `step.memory(measure=True)`
+checks the values against the allocator on a replay (kiln/runtime/step.py).
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class Profile:
     persistent: int                 # parameters, buffers, optimizer state, the batch
     peak: int                       # persistent + max(live)
     at: int                         # the node after which the peak is reached
+    workspace: list[int] = field(default_factory=list)   # bytes of each node's own temporaries (in `live`)
 
     def live_at(self, i: int) -> list[Buffer]:
         """The transient buffers live after node i, biggest first."""
@@ -123,8 +125,13 @@ def buffers(graph: Graph) -> list[Buffer]:
     return out
 
 
+def workspace(n: Node) -> int:
+    """Bytes node `n`'s kernel makes and frees inside itself, as its op declares (0 if it does not)."""
+    return int(n.op.workspace(n)) if n.op.workspace is not None else 0
+
+
 def profile(graph: Graph) -> Profile:
-    """The live bytes after every node and the peak."""
+    """The live bytes at every node (its values, and its kernel's workspace while it runs) and the peak."""
     bufs = buffers(graph)
     n = len(graph.nodes)
     delta = [0] * (n + 2)
@@ -135,19 +142,20 @@ def profile(graph: Graph) -> Profile:
             continue
         delta[b.born] += b.nbytes
         delta[min(b.dies, n) + 1] -= b.nbytes
+    ws = [workspace(x) for x in graph.nodes]
     live, cur = [], 0
     for i in range(n):
         cur += delta[i]
-        live.append(cur)
+        live.append(cur + ws[i])
     at = max(range(n), key=live.__getitem__) if n else 0
-    return Profile(bufs, live, persistent, persistent + (live[at] if n else 0), at)
+    return Profile(bufs, live, persistent, persistent + (live[at] if n else 0), at, ws)
 
 
 def peak_expr(graph: Graph):
     """The transient bytes live at the predicted peak, as an expression of the program's symbolic sizes (an
     int for a static program): a dynamic program compiled under a memory budget checks it for every batch."""
     prof = profile(graph)
-    total = 0
+    total = prof.workspace[prof.at] if prof.workspace else 0
     for b in prof.live_at(prof.at):
         total = total + b.owner.meta.nbytes
     return symbolic.expr(total) if not isinstance(total, int) else total

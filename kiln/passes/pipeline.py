@@ -65,6 +65,7 @@ class Context:
     regions: list = field(default_factory=list)  # every fused region considered (kiln.passes.regions.Region)
     choices: list = field(default_factory=list)  # nodes whose measured kernel the tuner chooses (registry.select)
     memory_budget: int | float | None = None     # bytes, or a fraction of the unconstrained peak (remat)
+    heap_outside: int = 0          # bytes the process holds beyond the step's tensors (a byte budget covers them)
     memory: object = None                        # what the remat pass decided (kiln.passes.remat.Plan)
     updates: list[Update] = field(default_factory=list)   # autodiff -> (collectives) -> optimizer
     loss_scale: Value | None = None                       # fp16: the backward's seed, a state input
@@ -171,7 +172,7 @@ def _state_meta(p: Value, slot: str):
 def _remat(ctx: Context) -> int:
     if ctx.memory_budget is None:       # no budget: nothing to decide (step.memory() profiles the program)
         return 0
-    ctx.memory = rematerialize(ctx.graph, ctx.memory_budget)
+    ctx.memory = rematerialize(ctx.graph, ctx.memory_budget, ctx.heap_outside)
     return len(ctx.memory.chosen)
 
 

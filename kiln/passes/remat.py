@@ -55,10 +55,16 @@ class Plan:
     floor: int                      # the smallest peak rematerialization reaches here
     persistent: int                 # parameters, buffers, optimizer state, the batch
     chosen: list[Recompute] = field(default_factory=list)
+    outside: int = 0                # bytes of a byte budget the process holds beyond the step's tensors
 
     @property
     def extra_flops(self) -> float:
         return sum(r.flops for r in self.chosen)
+
+    @property
+    def step_budget(self) -> int | None:
+        """What the budget leaves for the step's own peak (persistent tensors included)."""
+        return None if self.budget is None else self.budget - self.outside
 
 
 def candidates(graph: Graph) -> list[Recompute]:
@@ -153,21 +159,22 @@ class _Model:
         cur = best = 0
         for i in range(self.n):
             cur += delta[i]
-            best = max(best, cur)
+            best = max(best, cur + self.prof.workspace[i])
         return self.prof.persistent + best
 
 
-def plan(graph: Graph, budget: int | float | None) -> Plan:
-    """Which forward nodes to recompute so that the predicted peak fits `budget`: bytes (an int), a fraction
-    of the peak without rematerialization (a float), or None (no budget: nothing recomputed)."""
+def plan(graph: Graph, budget: int | float | None, outside: int = 0) -> Plan:
+    """Which forward nodes to recompute so that the predicted peak fits `budget`: bytes (an int) for the
+    whole process, of which it holds `outside` beyond the step's tensors; a fraction of the step's peak
+    without rematerialization (a float); or None (no budget: nothing recomputed)."""
     model = _Model(graph)
     before = model.prof.peak
     if isinstance(budget, float):
-        budget = int(budget * before)
-    result = Plan(budget, before, before, before, model.prof.persistent)
-    result.budget = budget
-    if budget is None or before <= budget:
+        budget, outside = int(budget * before), 0
+    result = Plan(budget, before, before, before, model.prof.persistent, outside=outside if budget else 0)
+    if budget is None or before <= result.step_budget:
         return result
+    budget = result.step_budget
     chosen: list[Recompute] = []
     peak = before
     for c in candidates(graph):                 # greedy: each decision kept only if the peak drops
@@ -229,17 +236,19 @@ def apply(graph: Graph, chosen: list[Recompute]) -> int:
     return added
 
 
-def rematerialize(graph: Graph, budget: int | float | None) -> Plan:
+def rematerialize(graph: Graph, budget: int | float | None, outside: int = 0) -> Plan:
     """`plan` and `apply`; a budget the plan cannot meet raises, naming the smallest peak reachable."""
-    result = plan(graph, budget)
-    budget = result.budget
-    if budget is not None and result.after > budget:
+    result = plan(graph, budget, outside)
+    if result.budget is not None and result.after > result.step_budget:
         mib = 2 ** 20
+        held = (f"; the process holds {result.outside / mib:.0f} MiB besides (torch, the model's Python side, "
+                f"other tensors), which the budget covers too, so the budget must be at least "
+                f"{(result.floor + result.outside) / mib:.0f} MiB") if result.outside else ""
         raise KilnError(
-            f"memory_budget of {budget / mib:.0f} MiB cannot be met: the smallest predicted peak Kiln reaches for "
-            f"this batch is {result.floor / mib:.0f} MiB ({result.persistent / mib:.0f} MiB of it parameters, optimizer "
-            f"state, buffers and the batch; {result.before / mib:.0f} MiB without rematerialization). Give a budget "
-            "of at least that, a smaller batch, or amp='bf16'")
+            f"memory_budget of {result.budget / mib:.0f} MiB cannot be met: the smallest predicted peak Kiln reaches "
+            f"for this batch is {result.floor / mib:.0f} MiB ({result.persistent / mib:.0f} MiB of it parameters, "
+            f"optimizer state, buffers and the batch; {result.before / mib:.0f} MiB without rematerialization)"
+            f"{held}. Give a larger budget, a smaller batch, or amp='bf16'")
     if result.chosen:
         apply(graph, result.chosen)
     return result

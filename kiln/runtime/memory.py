@@ -72,6 +72,7 @@ class MemoryReport:
     live: list[Live]                # the biggest transient buffers live there
     saved: int                      # activations the backward reads, live when the forward ends
     budget: int | None = None
+    outside: int = 0                     # bytes of the budget the process held beyond the step's tensors
     unconstrained: int | None = None     # the predicted peak without rematerialization (a budget was given)
     recomputed: list[str] = field(default_factory=list)
     extra_flops: float = 0.0
@@ -88,9 +89,12 @@ class MemoryReport:
             lines.append(f"measured peak:  {self.measured_peak / MIB:.1f} MiB at {self.measured_at} (prediction "
                          f"{err:+.1%})")
         if self.budget is not None:
-            lines.append(f"budget: {self.budget / MIB:.1f} MiB; without rematerialization the peak would be "
-                         f"{(self.unconstrained or 0) / MIB:.1f} MiB; {len(self.recomputed)} op(s) recomputed in the "
-                         f"backward for {self.extra_flops / 1e9:.2f} GFLOP more per step")
+            held = (f" for the process, which held {self.outside / MIB:.1f} MiB beyond the step's tensors when it "
+                    f"compiled (torch, the model's Python side, other tensors), leaving "
+                    f"{(self.budget - self.outside) / MIB:.1f} MiB for the step") if self.outside else ""
+            lines.append(f"budget: {self.budget / MIB:.1f} MiB{held}; without rematerialization the step's peak would "
+                         f"be {(self.unconstrained or 0) / MIB:.1f} MiB; {len(self.recomputed)} op(s) recomputed in "
+                         f"the backward for {self.extra_flops / 1e9:.2f} GFLOP more per step")
             lines += [f"  recomputed: {r}" for r in self.recomputed]
         lines.append("live at the peak (biggest first):")
         lines += [f"  {b.nbytes / MIB:8.1f} MiB  {b.name} ({b.op}{' in ' + b.module if b.module else ''})"
@@ -112,9 +116,13 @@ def report(prog, plan=None, measured: list[int] | None = None, top: int = 8) -> 
     live = [Live(b.owner.name, b.owner.producer.op.name if b.owner.producer else "input",
                  b.owner.producer.scope if b.owner.producer else "", b.nbytes, b.saved)
             for b in prof.live_at(prof.at)[:top]]
+    if g.nodes and prof.workspace[prof.at]:
+        n = g.nodes[prof.at]
+        live.insert(0, Live("(its kernel's temporaries)", n.op.name, n.scope, prof.workspace[prof.at], False))
+        live.sort(key=lambda b: -b.nbytes)
     rep = MemoryReport(prof.peak, prof.persistent, _where(g, prof.at) if g.nodes else "-", live, prof.saved_bytes)
     if plan is not None:
-        rep.budget, rep.unconstrained = plan.budget, plan.before
+        rep.budget, rep.unconstrained, rep.outside = plan.budget, plan.before, plan.outside
         rep.recomputed = [str(r) for r in plan.chosen]
         rep.extra_flops = plan.extra_flops
     if measured is not None:
@@ -149,6 +157,32 @@ def allocated() -> int | None:
     return int(info.uordblks + info.hblkhd)
 
 
+def outside_heap(tensors) -> int | None:
+    """Bytes the C allocator holds for the process now beyond the storages of `tensors` (the ones a step's
+    prediction counts as persistent: parameters, buffers, optimizer state, the batch): torch's and the
+    model's own allocations, other models, whatever the caller keeps. A byte budget is a budget for the
+    whole process's heap, so the step gets what this leaves. None where the allocator cannot tell."""
+    if _mallinfo2() is None:
+        return None
+    import gc
+    import torch
+    gc.collect()                        # garbage cycles holding tensors are not the process's to keep
+    held = allocated()
+    seen, own = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            continue
+        try:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):    # subclasses without a plain storage
+            continue
+        if key and key not in seen:
+            seen.add(key)
+            own += storage.nbytes()
+    return max(0, held - own)
+
+
 def guards(graph, plan) -> list:
     """Under a memory budget, a dynamic program's extra guard: the transient bytes at its predicted peak, an
     expression of the batch's sizes, within the budget (a bigger batch compiles a program of its own, which
@@ -159,5 +193,5 @@ def guards(graph, plan) -> list:
     expr = model.peak_expr(graph)
     if isinstance(expr, int):
         return []
-    return [(sympy.Le(expr + plan.persistent, plan.budget),
+    return [(sympy.Le(expr + plan.persistent, plan.step_budget),
              f"memory: the predicted peak of a batch of these sizes within the budget of {plan.budget / MIB:.0f} MiB")]

@@ -155,6 +155,7 @@ class CompiledStep:
         self._lock = threading.RLock()        # calls (and compiles) on one step run one at a time
         self._tensors = self._module_tensors()
         self._warned_full = False
+        self._outside_seen = 0              # memory_budget: the process's heap beyond the step, seen after a step
         self._static_only: set = set()      # structures whose dynamic compile failed: static programs only
         self.parallel = Parallel(parallel, self) if parallel is not None else None   # checks the ranks agree
         # ---- end data parallel
@@ -251,6 +252,8 @@ class CompiledStep:
                             "kernels run before any other write, so parameters and state are unchanged unless an "
                             "earlier fused group had already been applied. Check the optimizer's hyper-parameters, "
                             "or try kiln.compile(..., dialects=['aten'])") from e
+        if not prog.ran:
+            self._recheck_budget(prog, leaves)
         self._reported.update(prog.metrics)     # what this commit wrote (not a metric an earlier failed call made)
         if pending:
             self.optimizer.install(pending)  # torch's lazily made state, now that an update wrote it
@@ -371,6 +374,7 @@ class CompiledStep:
             guards_before = len(env.guards) if env is not None else 0
             ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
                                        nonfinite=self.nonfinite, memory_budget=self.memory_budget,
+                                       heap_outside=self._heap_outside(args, kwargs, constants),
                                        parallel=self.parallel, accumulate=self.accumulate,
                                        update=self._update_now))
             t1 = time.perf_counter()        # the passes asked; the tuner compiles, measures, prepares workers
@@ -398,6 +402,42 @@ class CompiledStep:
         prog.metrics = tuple(v.source[len(METRICS) + 1:] for v in ctx.graph.inputs
                              if v.role is Role.STATE and v.source.startswith(METRICS + ":"))
         return prog
+
+    def _heap_outside(self, args, kwargs, constants) -> int:
+        """Under a byte budget (a budget for the process's heap): what the process holds now beyond the
+        tensors the step's prediction counts (kiln.runtime.memory.outside_heap), or more if a first step
+        showed more (`_recheck_budget`); 0 otherwise."""
+        if not isinstance(self.memory_budget, int):
+            return 0
+        tensors = [*self._tensors.values(), *pytree.tree_leaves((args, kwargs, self.state)), *constants.values(),
+                   *self.grad_sums.values()]
+        outside = memory.outside_heap(tensors)
+        if outside is None:
+            log.info("kiln: memory_budget counts the step's tensors only: this platform's allocator cannot say "
+                     "what else the process holds")
+        return max(outside or 0, self._outside_seen)
+
+    def _recheck_budget(self, prog: Program, leaves) -> None:
+        """After a program's first step under a byte budget: torch allocates for good on its first run (thread
+        pools' buffers, kernel caches: 16 MiB for the Llama bench model), so the process may now hold more
+        beyond the step's tensors than when the program was planned. If the plan no longer fits, the program
+        is dropped and the next call compiles it again with what was measured (once per step)."""
+        plan = prog.memory
+        if plan is None or not plan.outside or self._outside_seen:
+            return
+        hyper = self.optimizer.scalars()
+        outside = memory.outside_heap([f(leaves, hyper) for f in prog.fetch])    # the program's inputs
+        if outside is None or plan.after + outside <= plan.budget:
+            return
+        self._outside_seen = outside
+        mib = 2 ** 20
+        log.info("kiln: after its first step the process holds %.0f MiB beyond the step's tensors (%.0f MiB when the "
+                 "step was planned): compiling it again to keep within memory_budget=%.0f MiB", outside / mib,
+                 plan.outside / mib, plan.budget / mib)
+        self.cache.notes.append(f"re-planned for memory_budget: the process held {outside / mib:.0f} MiB beyond the "
+                                f"step's tensors after the first step, {plan.outside / mib:.0f} MiB when compiling")
+        self.cache.remove(prog)             # `last` keeps it for step.memory() until the next call
+        self.tuner.retire(prog.tuning)
 
     def _fetcher(self, v, constants) -> Callable[[list, dict], Any]:
         """How a graph input is found at each call, from (the call's leaves, the optimizer's scalars now)."""
