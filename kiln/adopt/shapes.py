@@ -239,7 +239,8 @@ def view_round_trip(fn, there, back, scores: str | None, positions, viewed=None)
     text = _code(there)
     if a is None or b is None or len(b) != 3 or len(a) < 4 or [x.key for x in a[-2:]] != [x.key for x in b[-2:]] \
             or normalize(Expr("*", a[:-2])).key != b[0].key:
-        return f"the scores are reshaped (`{text}`) in a way other than splitting their first dimension"
+        return (f"the scores are reshaped (`{text}`, then `{_code(back)}`) in a way other than splitting their "
+                f"first dimension and merging it back")
     if viewed is not None and [x.key for x in viewed] == [x.key for x in b]:
         return None                  # viewed back already (a mask added through a view before)
     shape = asserted(fn, scores, positions, positions[there].start.line) if scores else None
