@@ -1,7 +1,7 @@
 """Peak memory and speed under a memory budget: eager, torch.compile and Kiln, each run in its own process.
 
     .venv/bin/python benchmarks/memory_budget.py [--model gpt2|llama|bert] [--dtype fp32|bf16] [--json out.json]
-        [--steps 5] [--threads 2] [--speed-rounds 12]
+        [--steps 5] [--threads 2] [--speed-rounds 12] [--peer-steps 1]
 
 What it measures (the goals of the memory issue):
 1. eager PyTorch at batch 8: its peak tensor memory, the *budget*;
@@ -174,6 +174,8 @@ def launch(args, mode: str, batch: int, **extra) -> dict:
     for k, v in extra.items():
         if v is not None:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
+    if mode in ("eager", "compile") and args.peer_steps:     # slow peers (bf16 without native matmul): fewer steps
+        cmd[cmd.index("--steps") + 1], cmd[cmd.index("--warmup") + 1] = str(args.peer_steps), "1"
     print(f"{mode} batch {batch} {extra or ''}...", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd)
     if proc.returncode:
@@ -194,6 +196,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--settle", type=float, default=300.0, help="seconds Kiln may tune before measuring")
+    p.add_argument("--peer-steps", type=int, default=0,
+                   help="eager and torch.compile: one warm-up step and N measured ones (for bf16 on a CPU that "
+                        "emulates it, where their steps take a minute)")
     p.add_argument("--speed-rounds", type=int, default=0,
                    help="then Kiln batch 16 with and without the budget in one process, N alternated steps each")
     p.add_argument("--json")
