@@ -240,15 +240,19 @@ def rematerialize(graph: Graph, budget: int | float | None, outside: int = 0) ->
     """`plan` and `apply`; a budget the plan cannot meet raises, naming the smallest peak reachable."""
     result = plan(graph, budget, outside)
     if result.budget is not None and result.after > result.step_budget:
-        mib = 2 ** 20
-        held = (f"; the process holds {result.outside / mib:.0f} MiB besides (torch, the model's Python side, "
-                f"other tensors), which the budget covers too, so the budget must be at least "
-                f"{(result.floor + result.outside) / mib:.0f} MiB") if result.outside else ""
+        held = (f"; the process holds {_size(result.outside)} besides (torch, the model's Python side, other "
+                f"tensors), which the budget covers too, so the budget must be at least "
+                f"{_size(result.floor + result.outside)}") if result.outside else ""
         raise KilnError(
-            f"memory_budget of {result.budget / mib:.0f} MiB cannot be met: the smallest predicted peak Kiln reaches "
-            f"for this batch is {result.floor / mib:.0f} MiB ({result.persistent / mib:.0f} MiB of it parameters, "
-            f"optimizer state, buffers and the batch; {result.before / mib:.0f} MiB without rematerialization)"
-            f"{held}. Give a larger budget, a smaller batch, or amp='bf16'")
+            f"memory_budget of {_size(result.budget)} cannot be met: the smallest predicted peak Kiln reaches for "
+            f"this batch is {_size(result.floor)} ({_size(result.persistent)} of it parameters, optimizer state, "
+            f"buffers and the batch; {_size(result.before)} without rematerialization){held}. Give a larger "
+            "budget, a smaller batch, or amp='bf16'")
     if result.chosen:
         apply(graph, result.chosen)
     return result
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in MiB, or KiB below one MiB (a tiny model's peak is not '0 MiB')."""
+    return f"{nbytes / 2 ** 20:.0f} MiB" if nbytes >= 2 ** 20 else f"{nbytes / 2 ** 10:.0f} KiB"
