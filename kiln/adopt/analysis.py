@@ -126,13 +126,15 @@ def analyze(source: str) -> ModuleAnalysis:
     resolver = Resolver(module)
     functions = []
     classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+    helpers = {(False, s.name.value): s for s in module.body if isinstance(s, cst.FunctionDef)}
     for stmt in module.body:
         if isinstance(stmt, cst.FunctionDef):
             functions.append(_FunctionAnalyzer(stmt, None, {}, resolver, positions).run())
         elif isinstance(stmt, cst.ClassDef):
             methods = [s for s in stmt.body.body if isinstance(s, cst.FunctionDef)]
             init = _inherited_init(stmt, classes)
-            types, exprs = _self_types(init, resolver) if init is not None else ({}, {})
+            own = {**helpers, **{(True, m.name.value): m for m in methods}}
+            types, exprs = _self_types(init, resolver, own) if init is not None else ({}, {})
             for m in methods:
                 fn = _FunctionAnalyzer(m, stmt.name.value, types, resolver, positions, exprs).run()
                 functions.append(fn)

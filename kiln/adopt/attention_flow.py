@@ -32,6 +32,8 @@ _SCORE_STEPS = {"+", "-", "*", "/", "to", "=", ".view", ".reshape", ".contiguous
 # between the softmax and the product with v: dropout, casts, a head mask, views
 _PROB_STEPS = {"to", "=", "dropout", "torch.nn.Dropout", "*", ".view", ".reshape", ".contiguous", ".type_as",
                ".masked_fill", "torch.where", ".permute", "transpose"}
+# what may be done to probabilities that are only returned: rearranged, averaged over the heads
+_RETURN_STEPS = {"=", ".contiguous", ".view", ".reshape", "transpose", ".permute", "mean", "to"}
 # steps the rewrite does not cover, as the words of a reason
 _BLOCKERS = {"torch.max": "the scores are clamped", "torch.maximum": "the scores are clamped",
              "torch.clamp": "the scores are clamped", ".clamp": "the scores are clamped",
@@ -175,6 +177,13 @@ def _trace_step(ctx: Context, node: Node, blockers: list, seen: set, depth: int)
         if hit is not None and why:
             blockers.append((node.line, why, True))
         return hit
+    passed = _passed_through(ctx, node)
+    if passed is not None:           # `s = self.apply_sparse_mask(s, ...)`, a hook that returns s as it is
+        hit = _trace_scores(ctx, passed, blockers, seen, depth + 1)
+        if hit is not None:
+            blockers.append((node.line, f"the scores go through `self.{node.module.name}(...)`, which returns them "
+                                        f"unchanged here but a subclass may override", True))
+        return hit
     helper = ctx.functions.get(node.op)
     helper = helper if helper is not None and _mask_like(helper) else None
     if node.op not in _SCORE_STEPS and helper is None:
@@ -244,8 +253,7 @@ def _trace_probs(fn: Function, value: str, blockers: list, seen: set, depth: int
         if node.op in _SCORE_PRODUCTS and (node.args[:1] == (Var(value),) or node.op == "torch.einsum"
                                            or transposed and node.args[1:2] == (Var(value),)):
             end = node                    # probs @ v, or v @ probs^T
-        elif node.op in ("return", "store") or _only_in_tuples(node, value) \
-                or node.op == "=" and isinstance(node.args[0], Opaque) and _packed(node.args[0].code, value):
+        elif _gives_back(node, value):
             # on every call: outside any `if`, and not in the true branch of a conditional expression
             always = node.stmt is not None and node.stmt.block is fn.body and not any(
                 isinstance(a, Opaque) and " if " in a.code for a in node.args)
@@ -260,6 +268,9 @@ def _trace_probs(fn: Function, value: str, blockers: list, seen: set, depth: int
             if hit is False:
                 return False
             end = end or hit
+        elif _rearranges(node) and _only_returned(fn, node.out.name, set()):
+            blockers.append((node.line, "the attention probabilities are returned (rearranged or averaged "
+                                        "over the heads)", True))
         else:
             return False
     for phi in fn.phis.values():          # `if head_mask is not None: p = p * head_mask`, `p = None`
@@ -279,6 +290,50 @@ def _trace_probs(fn: Function, value: str, blockers: list, seen: set, depth: int
                 return False
             end = end or hit
     return end
+
+
+def _only_returned(fn: Function, value: str, seen: set) -> bool:
+    """Is `value` only returned, through views, transposes and averages (fairseq's `need_weights`:
+    `p.view(b, h, t, s).transpose(1, 0)`, then `.mean(dim=0)` unless each head's weights are asked for)?"""
+    if value in seen or len(seen) > 40:
+        return True
+    seen.add(value)
+    for node in fn.nodes + _returns(fn):
+        if not _reads(node, value):
+            continue
+        if not (_gives_back(node, value) or _rearranges(node) and _only_returned(fn, node.out.name, seen)):
+            return False
+    later = [phi.value for phi in fn.phis.values() if value in (phi.before, phi.inner)]
+    later += [merged for merged, preds in fn.merges.items() if value in preds]
+    return all(_only_returned(fn, v, seen) for v in later)
+
+
+def _gives_back(node: Node, value: str) -> bool:
+    """Does `node` return `value`, store it, or pack it as an element of an output tuple?"""
+    return node.op in ("return", "store") or _only_in_tuples(node, value) \
+        or node.op == "=" and isinstance(node.args[0], Opaque) and _packed(node.args[0].code, value)
+
+
+def _rearranges(node: Node) -> bool:
+    """A view, transpose, cast, head average or plain copy of a value (`_RETURN_STEPS`)."""
+    return node.op in _RETURN_STEPS and node.out is not None and (node.op != "=" or isinstance(node.args[0], Var))
+
+
+def _passed_through(ctx: Context, node: Node):
+    """The argument a call of one of the class's own methods returns unchanged on every path (fairseq's
+    `apply_sparse_mask(self, attn_weights, ...): return attn_weights`), or None."""
+    module = node.module
+    if node.op != "call" or getattr(module, "base", None) != Var(ctx.fn.params[0] if ctx.fn.params else "") \
+            or node.kwargs:
+        return None
+    method = ctx.methods.get(module.name)
+    returns = _returns(method) if method is not None else []
+    params = method.params[1:] if method is not None else []
+    values = {r.args[0] if len(r.args) == 1 else None for r in returns}
+    if len(values) != 1 or not isinstance(next(iter(values)), Var) or next(iter(values)).name not in params:
+        return None
+    index = params.index(next(iter(values)).name)
+    return node.args[index] if index < len(node.args) else None
 
 
 def _mask_like(helper: Function) -> bool:

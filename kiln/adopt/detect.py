@@ -13,12 +13,14 @@ A reported location has `applied: false` and the reason the rewrite is not made.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import libcst as cst
 
 from kiln.adopt.configs import GELU_NAMES, SILU_NAMES
 from kiln.adopt.dsl import Const, Item, Node, Opaque, Tuple, Var
+from kiln.adopt.expr import Expr
 from kiln.adopt.rules import PYTHON_RULES
 from kiln.adopt.structural import Context, Found, StructuralRule, code_of, flat
 
@@ -40,9 +42,13 @@ def activation(ctx: Context, e) -> tuple[str | None, str | None]:
         if approx.op == "const" and approx.value in ("none", "tanh"):
             return "gelu", approx.value
         return None, None
-    ctors = ctx.init_exprs(kw.get("__module__"))
+    module = kw.get("__module__")
+    ctors = ctx.init_exprs(module)
+    if not ctors and module is not None and isinstance(getattr(e.src, "func", None), (cst.Subscript, cst.Call)):
+        ctors = [e.src.func]                      # ACT2FN[self.config.pooler_hidden_act](x): looked up in place
     if not ctors:
-        return None, None
+        name = _imported_activation(e.op)
+        return ("config", name) if name else (None, None)
     lookups = [c for c in ctors if isinstance(c, cst.Subscript) and ctx.qualname(c.value).endswith("ACT2FN") or
                isinstance(c, cst.Call) and ctx.qualname(c.func).endswith("get_activation")]
     if lookups:
@@ -62,6 +68,19 @@ def activation(ctx: Context, e) -> tuple[str | None, str | None]:
                 and args[0][1][0] in "'\"":
             return "gelu", args[0][1].strip("'\"")
     return None, None
+
+
+def _imported_activation(op: str) -> str | None:
+    """The ACT2FN key of an activation transformers' `activations` module makes at import, called by
+    its name (`from ...activations import gelu`: `gelu = get_activation("gelu")`); else None."""
+    module, _, name = op.rpartition(".")
+    return name if module.endswith("activations") and name in GELU_NAMES | SILU_NAMES else None
+
+
+def _act_operand(e) -> Expr:
+    """What calls the activation `e`: its module (`self.act`, `ACT2FN[...]`), or the imported name."""
+    module = dict(e.kw).get("__module__")
+    return module if module is not None else Expr("leaf", value=("ref", e.op))
 
 
 def _config_known(ctx: Context) -> bool:
@@ -112,8 +131,7 @@ def _find_swiglu(ctx: Context, node: Node, raw, tree):
         env = {"$gate": gate, "$up": up, "$down": down}
         if kind == "config" and (key in SILU_NAMES or key is None and not _config_known(ctx)):
             # SiLU by the config's default: checked again on every call by kiln.kernels.act_mul
-            module = dict(act.kw).get("__module__")
-            env["$act"] = module
+            env["$act"] = _act_operand(act)
             return Found(env, [Node("kiln.kernels.act_mul", (Var("$act"), Var("$gate"), Var("$up")), out=Var("$h")),
                                Node(LINEAR, (Var("$h"),), module=Var("$down"))])
         if kind != "silu":
@@ -153,7 +171,7 @@ def _find_linear_gelu(ctx: Context, node: Node, raw, tree):
     module_gelu = kind == "gelu" and "__module__" in kw
     if module_gelu or kind == "config" and (approx in GELU_NAMES or approx is None and not _config_known(ctx)):
         # an activation module (nn.GELU, or one a config picks, checked on every call): keep calling it
-        env["$act"] = kw["__module__"]
+        env["$act"] = _act_operand(tree)
         return Found(env, [Node("kiln.kernels.linear_act", (Var("$x"), Var("$fc"), Var("$act")))])
     return None
 
@@ -178,25 +196,42 @@ def is_rotate_half(fn) -> bool:
     if neg is None or neg.op != "neg" or not isinstance(neg.args[0], Var):
         return False
 
-    def half(value, index_text):
+    def half(value, index_text, position):
         d = fn.defs.get(value.name)
         while d is not None and d.op == "=" and isinstance(d.args[0], Var):
             d = fn.defs.get(d.args[0].name)
-        item = d.args[0] if d is not None and d.op == "=" else _unpacked(fn, value.name)
+        if d is not None and d.op == "=":
+            item = d.args[0]
+        else:
+            source, index = _unpacked(fn, value.name) or (None, None)
+            if isinstance(source, Var):                 # x1, x2 = x.chunk(2, dim=-1)
+                return index == position and _chunk_of(fn, source, p)
+            item = source.items[index] if isinstance(source, Tuple) and index < len(source.items) else None
         return isinstance(item, Item) and item.base == Var(p) and flat(item.index) == index_text
 
-    return (half(neg.args[0], f"...,{p}.shape[-1]//2:") and half(pair.items[1], f"...,:{p}.shape[-1]//2"))
+    return (half(neg.args[0], f"...,{p}.shape[-1]//2:", 1) and half(pair.items[1], f"...,:{p}.shape[-1]//2", 0))
+
+
+def _chunk_of(fn, value: Var, param: str) -> bool:
+    """Is `value` the two halves of `param`'s last dim: `param.chunk(2, dim=-1)` / `torch.chunk(param, 2, -1)`?"""
+    d = fn.defs.get(value.name)
+    if d is None or d.op not in (".chunk", "torch.chunk") or len(d.args) not in (2, 3) or d.args[0] != Var(param):
+        return False
+    dim = d.kw.get("dim", d.args[2] if len(d.args) == 3 else None)
+    return d.args[1] == Const(2) and dim == Const(-1)
 
 
 def _unpacked(fn, value: str):
-    """The operand a tuple assignment `x1, x2 = a, b` gives the value `x1:1` (a), or None."""
+    """(source, position) of the tuple assignment that defines the value `x1:1`: `x1, x2 = a, b` gives
+    (the Tuple (a, b), 0), `x1, x2 = t` gives (t, 0); None when no such assignment defines it."""
     name = value.split(":")[0]
+    stmt = fn.def_stmt.get(value)
     for n in fn.nodes:
-        if n.op == "store" and len(n.args) == 2 and isinstance(n.args[0], Opaque) and isinstance(n.args[1], Tuple):
+        if n.op == "store" and len(n.args) == 2 and isinstance(n.args[0], Opaque) \
+                and isinstance(n.args[1], (Tuple, Var)) and stmt is not None and stmt.cst is n.stmt.cst:
             targets = [t.strip() for t in n.args[0].code.split(",")]
-            if name in targets and len(targets) == len(n.args[1].items) \
-                    and fn.def_stmt.get(value) is not None and fn.def_stmt[value].cst is n.stmt.cst:
-                return n.args[1].items[targets.index(name)]
+            if name in targets:
+                return n.args[1], targets.index(name)
     return None
 
 
@@ -369,18 +404,62 @@ def _ctor_arg(ctx: Context, module, position: int, keyword: str) -> str | None:
     return None
 
 
+def _held(fn, name: str, path: frozenset = frozenset(), depth: int = 0) -> set[tuple[str, frozenset]]:
+    """(value, path) pairs: the values `name` may hold and the branches taken to get there, as
+    {(id of the `if`, branch)}.  Followed: plain copies (`a = b`), conditional expressions, the `if`
+    without else (`if q is None: q = h`) and if/else merges.  A name unbound before an `if` holds
+    only what the `if` assigned (DETR's `hidden_states_original`, set only when position embeddings
+    are added)."""
+    out = {(name, path)}
+    if depth > 8:
+        return out
+    node = fn.defs.get(name)
+    steps = []
+    if node is not None and node.op == "=" and isinstance(node.args[0], Var):
+        steps.append((node.args[0].name, None))
+    elif node is not None and node.op == "=" and isinstance(node.cst, cst.IfExp):   # `kv if cross else h`
+        steps += [(fn.name_version.get(id(b)), None) for b in (node.cst.body, node.cst.orelse) if isinstance(b, cst.Name)]
+    phi = fn.phis.get(name)
+    if phi is not None:
+        steps += [(phi.before, (id(phi.if_cst), "not taken")), (phi.inner, (id(phi.if_cst), "taken"))]
+    branches = fn.branches.get(name)
+    if branches is not None:
+        steps += [(branches[1], (id(branches[0]), "taken")), (branches[2], (id(branches[0]), "not taken"))]
+    else:
+        steps += [(v, None) for v in fn.merges.get(name, ())]
+    for value, branch in steps:
+        if value and (branch is None or (branch[0], _other(branch[1])) not in path):
+            out |= _held(fn, value, path | {branch} if branch else path, depth + 1)
+    return out
+
+
+def _other(branch: str) -> str:
+    return "taken" if branch == "not taken" else "not taken"
+
+
+def _together(paths) -> bool:
+    """Can these branch choices all hold on one run (no `if` both taken and not taken)?"""
+    chosen = {}
+    return all(chosen.setdefault(key, branch) == branch for path in paths for key, branch in path)
+
+
 def _find_fused_qkv(ctx: Context, node: Node, raw, tree):
+    """Three nn.Linear modules applied to one value, on at least one path through the method.  Their
+    in_features need not be shown equal in __init__: a Linear applied to a tensor has that tensor's
+    last dim as its in_features, so three applied to the same value have equal ones."""
     if node.op != LINEAR or len(node.args) != 1 or not isinstance(node.args[0], Var):
         return None
-    same = [n for n in ctx.fn.nodes if n.op == LINEAR and n.args == node.args and n.module is not None]
-    modules = {n.module for n in same}
-    if len(modules) != 3 or min(same, key=lambda n: n.line) is not node:
-        return None
-    feats = {_ctor_arg(ctx, ctx.builder.operand(n.module), 0, "in_features") for n in same}
-    if len(feats) != 1 or None in feats:
-        return None
-    return Found({}, None, "fusing the three projections changes the module's parameters (one stacked "
-                           "weight; checkpoints need converting)")
+    linears = [(n, _held(ctx.fn, n.args[0].name)) for n in ctx.fn.nodes if n.op == LINEAR
+               and n.module is not None and len(n.args) == 1 and isinstance(n.args[0], Var)]
+    for value in sorted({v for v, _ in _held(ctx.fn, node.args[0].name)}):
+        same = [(n, [p for v, p in held if v == value]) for n, held in linears]
+        same = [(n, paths) for n, paths in same if paths]
+        if len({n.module for n, _ in same}) != 3 or min(same, key=lambda s: s[0].line)[0] is not node:
+            continue
+        if any(_together(combo) for combo in itertools.product(*(paths for _, paths in same))):
+            return Found({}, None, "fusing the three projections changes the module's parameters (one stacked "
+                                   "weight; checkpoints need converting)")
+    return None
 
 
 # -- linear_cross_entropy ------------------------------------------------------------------------

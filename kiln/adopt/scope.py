@@ -82,8 +82,35 @@ class Resolver:
         return None
 
 
-def _self_types(init: cst.FunctionDef, resolver: Resolver) -> tuple[dict[str, str], dict]:
+def _built(value, helpers: dict, self_name: str, depth: int = 0):
+    """The constructor call an `__init__` value comes down to.  A call of a helper of the same file
+    (a module-level function, or a method through `self.`) whose every return is the module it was
+    given (fairseq's `quant_noise(nn.Linear(...), p, block)`, which only registers a hook) or one it
+    builds (`self.build_fc(i, o)` returning `quant_noise(nn.Linear(i, o), ...)`) is that module's
+    constructor; anything else is the value itself."""
+    if not isinstance(value, cst.Call) or depth > 4:
+        return value
+    func, method = value.func, False
+    if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == self_name:
+        func, method = func.attr, True
+    helper = helpers.get((method, func.value)) if isinstance(func, cst.Name) else None
+    if helper is None or any(a.star for a in value.args):
+        return value
+    names = [p.name.value for p in helper.params.params][1 if method else 0:]
+    given = {names[i]: a.value for i, a in enumerate(value.args) if a.keyword is None and i < len(names)}
+    given.update({a.keyword.value: a.value for a in value.args if a.keyword is not None})
+    built = []
+    for ret in (n for n in _walk(helper.body) if isinstance(n, cst.Return)):
+        r = ret.value
+        r = given.get(r.value) if isinstance(r, cst.Name) and r.value in names else r
+        built.append(_built(r, helpers, self_name, depth + 1))
+    kinds = {_code(b.func) if isinstance(b, cst.Call) else None for b in built}
+    return built[0] if built and len(kinds) == 1 and None not in kinds else value
+
+
+def _self_types(init: cst.FunctionDef, resolver: Resolver, helpers: dict | None = None) -> tuple[dict[str, str], dict]:
     """`self.fc = nn.Linear(...)` in __init__ -> {"fc": "torch.nn.Linear"}; conflicting types drop out.
+    `helpers` ({(is_method, name): FunctionDef}) are looked through (`_built`).
 
     Also returns {attribute: [expressions assigned to it]} (rules read constructor arguments from
     them: `nn.Softmax(dim=-1)`, `ACT2FN[config.hidden_act]`)."""
@@ -99,10 +126,11 @@ def _self_types(init: cst.FunctionDef, resolver: Resolver) -> tuple[dict[str, st
             if (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
                     and target.value.value == self_name):
                 kind = None
-                if isinstance(node.value, cst.Call):
-                    kind = resolver.qualname(node.value.func)
+                value = _built(node.value, helpers or {}, self_name)
+                if isinstance(value, cst.Call):
+                    kind = resolver.qualname(value.func)
                 found.setdefault(target.attr.value, set()).add(kind)
-                exprs.setdefault(target.attr.value, []).append(node.value)
+                exprs.setdefault(target.attr.value, []).append(value)
         elif isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) \
                 and node.func.attr.value == "register_buffer" and isinstance(node.func.value, cst.Name) \
                 and node.func.value.value == self_name and len(node.args) >= 2 \

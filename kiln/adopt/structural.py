@@ -49,6 +49,7 @@ class Context:
         self.fn, self.builder, self.normalize = fn, builder, normalize
         self.configs = configs          # ConfigDefaults of the file (config field defaults), or None
         self.functions = {f.name: f for f in functions if f.cls is None}    # module-level helpers
+        self.methods = {f.name: f for f in functions if f.cls is not None and f.cls == fn.cls}   # the class's own
         self._phi_builder = None
         self.split_reasons: dict = {}   # sdpa: line of a product with v -> why no split applies there
 

@@ -74,13 +74,14 @@ class Imports:
                         else:
                             top = full.split(".")[0]
                             self.bindings[top] = top
-                elif isinstance(small, cst.ImportFrom) and not small.relative and small.module is not None \
+                elif isinstance(small, cst.ImportFrom) and (small.relative or small.module is not None) \
                         and not isinstance(small.names, cst.ImportStar):
-                    base = _dotted(small.module)
+                    # `from ...activations import ACT2FN`: ACT2FN is `...activations.ACT2FN`, as the analysis names it
+                    base = "." * len(small.relative) + (_dotted(small.module) if small.module is not None else "")
                     for alias in small.names:
                         name = _dotted(alias.name)
                         local = alias.asname.name.value if alias.asname is not None else name
-                        self.bindings[local] = f"{base}.{name}"
+                        self.bindings[local] = base + name if base.endswith(".") else f"{base}.{name}"
         self.module_names = _module_level_names(module)
 
     def spell(self, qualname: str, local_names=frozenset(), needed: set | None = None) -> str:

@@ -197,8 +197,10 @@ def test_report_only_detections():
     assert all(m.reason for m in matches)
 
 
-def test_fused_qkv_needs_equal_in_features_and_one_input():
-    src = REPORTED.replace("self.v_proj = nn.Linear(d, d)", "self.v_proj = nn.Linear(2 * d, d)")
+def test_fused_qkv_needs_one_input():
+    # three Linear modules applied to one value have equal in_features (the value's last dim); q, k
+    # and v of different values are not a location
+    src = REPORTED.replace("self.v_proj(h)", "self.v_proj(other)")
     _, _, matches = rewrite(src, rules=["fused_qkv"])
     assert matches == []
 

@@ -32,6 +32,7 @@ EXPECTED = {
     "models/t5/modeling_t5.py": [
         ("rms_norm", "T5LayerNorm", "forward", True),
         ("sdpa", None, "eager_attention_forward", False),
+        ("fused_qkv", "T5Attention", "forward", False),     # k/v of `kv if cross else hidden_states`
         ("linear_cross_entropy", "T5ForConditionalGeneration", "forward", False),
     ],
     "models/gemma/modeling_gemma.py": [
