@@ -415,7 +415,14 @@ class CompiledStep:
         if outside is None:
             log.info("kiln: memory_budget counts the step's tensors only: this platform's allocator cannot say "
                      "what else the process holds")
-        return max(outside or 0, self._outside_seen)
+        return max(self._agreed(outside or 0), self._outside_seen)
+
+    def _agreed(self, outside: int) -> int:
+        """Data parallel: the largest heap any rank holds, so that every rank plans the same program and
+        decides a re-plan alike (a re-plan compiles, and the ranks check their compiles together)."""
+        if self.parallel is None:
+            return outside
+        return max(self.parallel.comm.gather_objects(outside, "the heap each process holds beyond its step"))
 
     def _recheck_budget(self, prog: Program, leaves) -> None:
         """After a program's first step under a byte budget: torch allocates for good on its first run (thread
@@ -423,11 +430,14 @@ class CompiledStep:
         beyond the step's tensors than when the program was planned. If the plan no longer fits, the program
         is dropped and the next call compiles it again with what was measured (once per step)."""
         plan = prog.memory
-        if plan is None or not plan.outside or self._outside_seen:
+        if plan is None or not isinstance(self.memory_budget, int) or self._outside_seen:
             return
         hyper = self.optimizer.scalars()
         outside = memory.outside_heap([f(leaves, hyper) for f in prog.fetch])    # the program's inputs
-        if outside is None or plan.after + outside <= plan.budget:
+        if outside is None:
+            return
+        outside = self._agreed(outside)
+        if plan.after + outside <= plan.budget:
             return
         self._outside_seen = outside
         mib = 2 ** 20

@@ -66,6 +66,14 @@ def test_ranks_with_their_own_batch_sizes_share_one_dynamic_program(two_ranks):
             assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), d["losses"]
 
 
+def test_ranks_plan_a_byte_budget_for_the_largest_heap(two_ranks):
+    """Rank 1 holds 64 MiB more beyond its step: both ranks plan with its heap (a plan per rank would let one
+    rank re-plan, and compile, alone)."""
+    got = [r["budget"] for r in two_ranks[1]]
+    assert got[0]["outside"] == got[1]["outside"] >= 64 * 2 ** 20, got
+    assert got[0]["programs"] == got[1]["programs"], got
+
+
 @pytest.mark.slow
 def test_parity_every_zero_and_dtype_2_ranks(tmp_path):
     """Also ZeRO-2 with SGD against DDP + torch.optim.SGD, and fp16 ZeRO-1 against DDP + GradScaler."""
