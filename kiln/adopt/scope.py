@@ -1,13 +1,28 @@
 """What a module's names mean: imports, assignments in `__init__`, names a piece of code binds.
 
-`Resolver` gives module-level names their qualified meaning (`F` -> `torch.nn.functional`);
+`Resolver` gives module-level names their qualified meaning (`F` -> `torch.nn.functional`), and
+keeps the file's own `softmax` apart from torch's (`Resolver.qualname`);
 `_self_types` reads what `__init__` assigns to `self.x` (the constructor's qualified name, and the
 expressions, which rules read: `nn.Softmax(dim=-1)`, `ACT2FN[config.hidden_act]`, a registered
 buffer); `_assigned_names` lists the names statements bind.  Used by `analysis.py`.
 """
 from __future__ import annotations
 
+import builtins
+
 import libcst as cst
+
+from kiln.adopt import canon
+
+# What a name the file binds itself is called when it could be taken for one the analysis knows:
+# `__file__.softmax` is the file's own `softmax`, never torch's.
+HERE = "__file__"
+
+# Bare names with a meaning of their own in the analysis and the rules: canonical ops (`softmax`,
+# `sigmoid`, `erf` ...), the modules qualified names start with (`torch.`, `math.`, `Tensor.`), and
+# Python's builtins (`len`, `float`, `abs`), which the analysis names by their bare name.
+_KNOWN = [*canon.SIGNATURES, "to", "torch", "kiln", *(q.split(".")[0] for q in [*canon.CANONICAL, *canon.PURE_CALLS])]
+RESERVED = frozenset(n for n in _KNOWN if n.isidentifier())
 
 
 def _inherited_init(cls: cst.ClassDef, classes: dict, depth: int = 0):
@@ -30,10 +45,16 @@ class Resolver:
     libcst's QualifiedNameProvider answers the same question but costs seconds per large file
     (it builds every scope); within a method only module-level bindings matter here, since the
     analysis treats every name the function assigns as a local value.  A name bound to two
-    different things at module level (say, in both branches of an `if`) resolves to nothing."""
+    different things at module level (say, in both branches of an `if`) resolves to nothing.
+
+    A name is torch's only through an import.  Where its bare name means something to the analysis
+    (`RESERVED`), a name the file defines itself (`def softmax(x, dim): ...`, `softmax = ...`), binds
+    to two things, or leaves unbound without it being a builtin (a `from lib import *` may bring
+    anything) resolves to `__file__.<name>`, which no rule or detector knows."""
 
     def __init__(self, module: cst.Module):
         self.bindings: dict[str, str | None] = {}
+        self.imported: set[str] = set()        # names some import binds
         self._scan(module.body)
 
     def _bind(self, name: str, target: str):
@@ -59,23 +80,33 @@ class Resolver:
         if isinstance(small, cst.Import):
             for alias in small.names:
                 full = _code(alias.name)
-                if alias.asname is not None:
-                    self._bind(_code(alias.asname.name), full)
-                else:
-                    self._bind(full.split(".")[0], full.split(".")[0])
+                local = _code(alias.asname.name) if alias.asname is not None else full.split(".")[0]
+                self._bind(local, full if alias.asname is not None else local)
+                self.imported.add(local)
         elif isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
             base = "." * len(small.relative) + (_code(small.module) if small.module is not None else "")
             for alias in small.names:
                 name = _code(alias.name)
                 local = _code(alias.asname.name) if alias.asname is not None else name
                 self._bind(local, f"{base}.{name}" if not base.endswith(".") else base + name)
+                self.imported.add(local)
         elif isinstance(small, (cst.Assign, cst.AnnAssign, cst.AugAssign)):
             for name in _assigned_names([small]):
                 self._bind(name, name)
 
+    def foreign(self, name: str) -> bool:
+        """Is the module-level `name` not known to be an import or a builtin: defined by the file
+        itself, bound to different things, or bound by nothing that is not a builtin?"""
+        if name not in self.bindings:
+            return not hasattr(builtins, name)
+        return self.bindings[name] is None or name not in self.imported
+
     def qualname(self, node) -> str | None:
         if isinstance(node, cst.Name):
-            return self.bindings.get(node.value, node.value)    # unbound: a builtin, by its name
+            name = node.value
+            if name in RESERVED and self.foreign(name):
+                return f"{HERE}.{name}"     # the file's own `softmax`: not torch's
+            return self.bindings.get(name, name)    # unbound: a builtin, by its name
         if isinstance(node, cst.Attribute):
             base = self.qualname(node.value)
             return None if base is None else f"{base}.{node.attr.value}"

@@ -15,6 +15,7 @@ import libcst as cst
 
 from kiln.adopt import fallbacks
 from kiln.adopt.dsl import BINARY_OPS, Attr, Const, Item, Node, Opaque, Ref, Tuple, Var
+from kiln.adopt.scope import HERE
 
 _ATOMIC = (cst.Name, cst.Attribute, cst.Call, cst.Subscript, cst.Integer, cst.Float, cst.SimpleString,
            cst.Tuple, cst.List)
@@ -96,6 +97,8 @@ class Imports:
                 raise Refusal(f"cannot spell {qualname}: the name {fallbacks.ALIAS!r} means something else here")
             (self.needed if needed is None else needed).add(qualname)
             return f"{fallbacks.ALIAS}.{qualname.split('.', 2)[2]}"
+        if qualname.startswith(HERE + "."):
+            raise Refusal(f"cannot spell {qualname}: {qualname[len(HERE) + 1:]!r} is not imported here")
         best = None
         for local, target in self.bindings.items():
             if (qualname == target or qualname.startswith(target + ".")) and local not in local_names:
