@@ -119,13 +119,12 @@ fusion(KILN, "rope", ROPE, build_rope, priority=5, group_by=lambda m: (m["cos"].
 
 
 # The vocabulary projection and its cross-entropy as one kernel, which computes no logits for tokens whose
-# label is ignored (padding, masked prompts): those add nothing to the loss or the gradients. Logits of
-# LOGITS_BYTES_TO_CHUNK or more are computed in chunks, never materialized (one more matmul in the backward
-# for the whole (tokens x vocab) tensor); smaller ones are kept for the backward, as eager keeps them. Below
-# LOGITS_BYTES_TO_FUSE (a classifier's few classes) the matmuls are too small for skipping rows to pay for
-# the gather: the ATen ops stay.
+# label is ignored (padding, masked prompts): those add nothing to the loss or the gradients. The kernel
+# computes the loss's gradients in its forward, a chunk of logits at a time, and keeps them (hidden- and
+# weight-sized) for the backward instead of any logits: 3 matmuls as eager, and no (tokens x vocab)
+# tensor outlives its chunk. Below LOGITS_BYTES_TO_FUSE (a classifier's few classes) the matmuls are too
+# small for skipping rows to pay for the gather: the ATen ops stay.
 LOGITS_BYTES_TO_FUSE = 4 * 2 ** 20
-LOGITS_BYTES_TO_CHUNK = 128 * 2 ** 20
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 VIEW = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 LINEAR_CE = Op(aten.nll_loss_forward.default, Op(aten._log_softmax.default, Opt(VIEW, Opt(CAST, Op(
@@ -139,7 +138,7 @@ def build_linear_cross_entropy(b, matches):
     tokens = logits.meta.numel // shape(w)[0]
     if m["reduction"] not in REDUCTIONS or m["reduction"] == 0 or len(shape(w)) != 2:
         return None
-    # a heuristic on the compiled batch's size (a hint: no guard); either kernel is right for any size
+    # whether fusing pays, judged on the compiled batch's size (a hint: no guard); it is right for any size
     size = hint(tokens) * hint(shape(w)[0]) * 4
     # nll_loss needs as many labels as rows of logits: with dynamic sizes they may be different symbols
     # (labels and input_ids are separate inputs), equal by the program's guard that nll_loss put there
@@ -148,10 +147,7 @@ def build_linear_cross_entropy(b, matches):
         return None
     hidden = reshape(b, h, [tokens, shape(h)[-1]])
     args = (hidden, w, reshape(b, labels, [tokens]), m["ignore_index"], REDUCTIONS[m["reduction"]])
-    if size >= LOGITS_BYTES_TO_CHUNK:
-        loss, _lse = b(kiln_ops.linear_cross_entropy.default, *args, 0)
-    else:
-        loss, _logp = b(kiln_ops.linear_cross_entropy_unchunked.default, *args)
+    loss, *_grads = b(kiln_ops.linear_cross_entropy_grads.default, *args, 0)
     if loss.meta.dtype != m.root.outputs[0].meta.dtype:
         loss = b(CAST, loss, dtype=m.root.outputs[0].meta.dtype)
     return [(loss, None)]
@@ -159,4 +155,4 @@ def build_linear_cross_entropy(b, matches):
 
 fusion(KILN, "linear_cross_entropy", LINEAR_CE, build_linear_cross_entropy, priority=10,
        doc=f"lm_head + cross-entropy -> kiln.linear_cross_entropy (no logits for ignored labels) when the logits "
-           f"take >= {LOGITS_BYTES_TO_FUSE >> 20} MiB; chunked from {LOGITS_BYTES_TO_CHUNK >> 20} MiB")
+           f"take >= {LOGITS_BYTES_TO_FUSE >> 20} MiB; the gradients computed in the forward, in chunks")

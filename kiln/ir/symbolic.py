@@ -84,6 +84,14 @@ def hint(x: Any) -> int:
     return int(x)
 
 
+def estimate(x: Any) -> float:
+    """A number computed from sizes (a cost, a symbolic float) at the compiled batch's sizes, recording no
+    guard (float() of a symbolic value would specialize the program to this batch)."""
+    if isinstance(x, torch.SymFloat):
+        return float(x.node.hint)
+    return float(hint(x)) if isinstance(x, torch.SymInt) else float(x)
+
+
 def hinted(obj: Any) -> Any:
     """A nested structure with every symbolic size replaced by its hint (example arguments for measuring a
     kernel on the compiled batch's sizes)."""

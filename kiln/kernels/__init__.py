@@ -37,7 +37,7 @@ OPS = {name: getattr(_k, name).default for name in (
     "linear_gelu", "linear_gelu_backward",
     "rope", "rope_backward",
     "linear_cross_entropy", "linear_cross_entropy_backward",
-    "linear_cross_entropy_unchunked", "linear_cross_entropy_unchunked_backward",
+    "linear_cross_entropy_grads", "linear_cross_entropy_grads_backward",
     "ctc_loss", "ctc_loss_backward")}
 
 

@@ -8,9 +8,11 @@ in fp32). Peak extra memory is one chunk of logits (a fixed budget of elements, 
 fewer rows as the vocabulary grows) plus grad_weight, which is parameter-sized anyway.
 The price: the backward does one more matmul than eager (the recompute), 4 instead of 3 in all.
 
-`kiln::linear_cross_entropy_unchunked` is the same loss where the logits are small enough to keep:
-one matmul, the log-probabilities saved for the backward, 3 matmuls in all, as eager. Its temporaries
-stay within TEMP_BUDGET elements.
+`kiln::linear_cross_entropy_grads` is the same loss for training, with the gradient computed in the
+forward (the gradient of a mean or a sum of token losses does not depend on anything after the loss but
+one scalar): each chunk's logits become softmax - onehot in place and go straight into grad_hidden and
+grad_weight, which the backward only scales by its incoming gradient. 3 matmuls, as eager, and no logits
+kept: what the step holds between forward and backward is the two gradients, not (tokens x vocab).
 
 Both skip the tokens whose label is `ignore_index` (padding, masked prompts, the last position of a
 shifted causal LM): those add nothing to the loss or to any gradient (their grad_hidden rows are 0),
@@ -30,11 +32,6 @@ from kiln.kernels._common import acc_dtype, gpu_impl, rows
 # the weight itself for hidden >= 128. Either way the chunk does not grow with the number of tokens.
 LOGIT_BUDGET = 1 << 24
 MIN_ROWS = 128
-# The unchunked kernel's temporaries (half-type logits before their cast, the backward's softmax - onehot)
-# are made a block of rows at a time, at most 8M elements (32 MiB in fp32; one block for 1024 tokens of an
-# 8k vocabulary, since more blocks cost speed: each streams the whole weight). Kiln's memory model counts
-# the values a graph names, not a kernel's temporaries (kiln/passes/memory.py).
-TEMP_BUDGET = 1 << 23
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -102,10 +99,11 @@ def _row_scale(grad: Tensor, idx: Tensor | None, k: int, reduction: str, acc: to
 class _Grads:
     """grad_hidden (valid rows) and grad_weight, summed over blocks of d loss / d logits."""
 
-    def __init__(self, hv: Tensor, weight: Tensor, blocks: int):
+    def __init__(self, hv: Tensor, weight: Tensor, blocks: int, acc_weight: bool = False):
         self.hv, self.weight, self.blocks = hv, weight, blocks
         self.hidden = torch.empty_like(hv)
         self.w: Tensor | None = None
+        self.acc_weight = acc_weight        # grad_weight returned in fp32 for half types (scaled later)
 
     def add(self, s: int, e: int, p: Tensor) -> None:
         pw = p if p.dtype == self.weight.dtype else p.to(self.weight.dtype)
@@ -113,7 +111,7 @@ class _Grads:
         h = self.hv[s:e]
         if self.w is None:
             self.w = torch.mm(pw.t(), h)        # the first block initializes: no zero fill
-            if self.blocks > 1:
+            if self.blocks > 1 or self.acc_weight:
                 # more blocks follow: half types accumulate in fp32 (one weight-sized buffer, which a
                 # single block, as for a short sequence, does not need)
                 self.w = self.w.to(acc_dtype(self.weight.dtype))
@@ -123,7 +121,8 @@ class _Grads:
             self.w.add_(torch.mm(pw.t(), h))
 
     def result(self, hidden: Tensor, idx: Tensor | None) -> tuple[Tensor, Tensor]:
-        gw = torch.zeros_like(self.weight) if self.w is None else self.w.to(self.weight.dtype)  # no tokens: 0
+        dtype = acc_dtype(self.weight.dtype) if self.acc_weight else self.weight.dtype
+        gw = torch.zeros_like(self.weight, dtype=dtype) if self.w is None else self.w.to(dtype)  # no tokens: 0
         return _at_rows(self.hidden, idx, rows(hidden).shape[0]).reshape(hidden.shape), gw
 
 
@@ -218,75 +217,77 @@ def _backward(ctx, grad, _grad_lse):
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
 
 
-# ---- unchunked: the log-probabilities kept for the backward ----------------------------------
-@torch.library.custom_op("kiln::linear_cross_entropy_unchunked", mutates_args=())
-def linear_cross_entropy_unchunked_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
-                                      reduction: str) -> tuple[Tensor, Tensor]:
-    """(loss, logp): cross_entropy(hidden @ weight.T, labels). logp (tokens x vocab, fp32) holds the
-    log-softmax of the valid tokens' logits in its first rows, in token order, and 0 after them: what
-    the backward needs, no more."""
-    impl = gpu_impl("linear_cross_entropy_unchunked", hidden)
-    if impl is not None:
-        return impl(hidden, weight, labels, ignore_index, reduction)
+# ---- the gradient in the forward: 3 matmuls and no logits kept ----------------------------------
+@torch.library.custom_op("kiln::linear_cross_entropy_grads", mutates_args=())
+def linear_cross_entropy_grads_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, reduction: str,
+                                  chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, grad_hidden, grad_weight, scale) for reduction "mean" or "sum": the loss as
+    `linear_cross_entropy`'s; grad_hidden (hidden's dtype, 0 at ignored tokens) and grad_weight (fp32 for
+    half types) the gradients of the *sum* of the counted tokens' losses; scale (fp32, 0-dim) what turns
+    them into the loss's own (1 / counted tokens for "mean", 1 for "sum"). The backward multiplies both by
+    scale times its incoming gradient, after the loss: a half-type gradient is never made smaller than the
+    sum's, so it does not underflow before an fp16 loss scale reaches it."""
     _check(hidden, weight, labels, reduction)
+    if reduction == "none":
+        raise ValueError("linear_cross_entropy_grads needs a mean or a sum (one incoming gradient for all tokens)")
     acc = acc_dtype(hidden.dtype)
     idx, hv, yv, n = _valid_rows(hidden, labels, ignore_index)
     k = hv.shape[0]
-    logp = torch.empty(n, weight.shape[0], dtype=acc, device=hidden.device)
-    if hv.dtype == weight.dtype == acc:                  # the logits straight into the kept buffer
-        torch.mm(hv, weight.t(), out=logp[:k])
-    else:                                                # half types: cast a block of rows at a time
-        step = chunk_rows(k, weight.shape[0], 0, TEMP_BUDGET)
-        for s in range(0, k, step):
-            logp[s:min(k, s + step)].copy_(torch.mm(hv[s:s + step], weight.t()))
-    if logp.device.type == "cpu":
-        # log-softmax in place: ATen's CPU kernel reads each row whole before writing it (tests check it)
-        torch.ops.aten._log_softmax.out(logp[:k], 1, False, out=logp[:k])
-    else:                                                # other backends' kernels: not checked for aliasing
-        logp[:k] = torch.log_softmax(logp[:k], 1)
-    logp[k:].zero_()
-    loss = _reduce(logp[:k].gather(1, yv).squeeze(1).neg(), idx, labels, reduction)
-    return loss, logp
+    lse = torch.empty(k, dtype=acc, device=hidden.device)
+    target = torch.empty(k, dtype=acc, device=hidden.device)
+    step = chunk_rows(k, weight.shape[0], chunk_size)
+    grads = _Grads(hv, weight, blocks=-(-k // step), acc_weight=True)
+    for s in range(0, k, step):
+        e = min(k, s + step)
+        z = _chunk_logits(hv[s:e], weight, acc)
+        target[s:e] = z.gather(1, yv[s:e]).squeeze(1)
+        m = z.amax(1, keepdim=True)
+        total = z.sub_(m).exp_().sum(1, keepdim=True)           # exp in place, then softmax in place
+        lse[s:e] = total.log().add_(m).squeeze(1)
+        p = z.div_(total)
+        p.scatter_add_(1, yv[s:e], p.new_full((e - s, 1), -1.0))
+        grads.add(s, e, p)
+        del z, p
+    loss = _reduce(lse - target, idx, labels, reduction)
+    gh, gw = grads.result(hidden, idx)
+    scale = torch.tensor(1.0 / k if reduction == "mean" and k else 1.0, dtype=acc, device=hidden.device)
+    return loss, gh, gw, scale
 
 
-@linear_cross_entropy_unchunked_op.register_fake
-def _(hidden, weight, labels, ignore_index, reduction):
+@linear_cross_entropy_grads_op.register_fake
+def _(hidden, weight, labels, ignore_index, reduction, chunk_size):
     _check(hidden, weight, labels, reduction)
     acc = acc_dtype(hidden.dtype)
-    loss = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=acc)
-    return loss, hidden.new_empty((labels.numel(), weight.shape[0]), dtype=acc)
+    return (hidden.new_empty((), dtype=acc), hidden.new_empty(hidden.shape), weight.new_empty(weight.shape, dtype=acc),
+            hidden.new_empty((), dtype=acc))
 
 
-@torch.library.custom_op("kiln::linear_cross_entropy_unchunked_backward", mutates_args=())
-def linear_cross_entropy_unchunked_backward_op(grad: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor,
-                                               logp: Tensor, ignore_index: int,
-                                               reduction: str) -> tuple[Tensor, Tensor]:
-    """(grad_hidden, grad_weight) from the saved log-probabilities: two matmuls over the valid tokens."""
-    impl = gpu_impl("linear_cross_entropy_unchunked_backward", hidden)
-    if impl is not None:
-        return impl(grad, hidden, weight, labels, logp, ignore_index, reduction)
-    idx, hv, yv, _ = _valid_rows(hidden, labels, ignore_index)
-    return _backward_by_blocks(grad, hidden, weight, idx, hv, yv, reduction,
-                               chunk_rows(hv.shape[0], weight.shape[0], 0, TEMP_BUDGET), lambda s, e: logp[s:e].exp())
+@torch.library.custom_op("kiln::linear_cross_entropy_grads_backward", mutates_args=())
+def linear_cross_entropy_grads_backward_op(grad: Tensor, grad_hidden: Tensor, grad_weight: Tensor, scale: Tensor,
+                                           weight_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(grad_hidden, grad_weight) of the loss: the forward's gradients of the sum times scale * grad, the
+    weight's in `weight_dtype`."""
+    g = grad * scale
+    return grad_hidden * g.to(grad_hidden.dtype), (grad_weight * g).to(weight_dtype)
 
 
-@linear_cross_entropy_unchunked_backward_op.register_fake
-def _(grad, hidden, weight, labels, logp, ignore_index, reduction):
-    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
+@linear_cross_entropy_grads_backward_op.register_fake
+def _(grad, grad_hidden, grad_weight, scale, weight_dtype):
+    return grad_hidden.new_empty(grad_hidden.shape), grad_weight.new_empty(grad_weight.shape, dtype=weight_dtype)
 
 
-def _setup_unchunked(ctx, inputs, output):
-    hidden, weight, labels, ignore_index, reduction = inputs
-    ctx.mark_non_differentiable(output[1])
+def _setup_grads(ctx, inputs, output):
+    _loss, gh, gw, scale = output
+    ctx.mark_non_differentiable(gh, gw, scale)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(hidden, weight, labels, output[1])
-    ctx.args = (ignore_index, reduction)
+    ctx.save_for_backward(gh, gw, scale)
+    ctx.dtype = inputs[1].dtype
 
 
-def _backward_unchunked(ctx, grad, _grad_logp):
-    hidden, weight, labels, logp = ctx.saved_tensors
-    gh, gw = torch.ops.kiln.linear_cross_entropy_unchunked_backward(grad, hidden, weight, labels, logp, *ctx.args)
-    return gh, gw, None, None, None
+def _backward_grads(ctx, grad, *_unused):
+    gh, gw, scale = ctx.saved_tensors
+    grad_hidden, grad_weight = torch.ops.kiln.linear_cross_entropy_grads_backward(grad, gh, gw, scale, ctx.dtype)
+    return grad_hidden, grad_weight, None, None, None, None
 
 
-linear_cross_entropy_unchunked_op.register_autograd(_backward_unchunked, setup_context=_setup_unchunked)
+linear_cross_entropy_grads_op.register_autograd(_backward_grads, setup_context=_setup_grads)

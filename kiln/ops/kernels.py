@@ -12,7 +12,7 @@ import torch
 
 import kiln.kernels  # noqa: F401  (defines torch.ops.kiln.*)
 from kiln.kernels._common import acc_dtype
-from kiln.kernels.cross_entropy import LOGIT_BUDGET, TEMP_BUDGET, chunk_rows
+from kiln.kernels.cross_entropy import LOGIT_BUDGET, chunk_rows
 from kiln.kernels.norms import dropout_scale
 from kiln.ops.common import arg, shape, sum_to
 from kiln.ops.registry import Cast, Kind, defop
@@ -154,50 +154,44 @@ def _lce_flops(n, factor: float = 2.0) -> float:
     return factor * _numel(hidden) * hint(shape(weight)[0])
 
 
-def _lce_workspace(n, chunked: bool) -> int:
-    """Bytes of the loss kernels' own temporaries (kiln/kernels/cross_entropy.py), at most: a chunk (or a
-    block) of fp32 logits, its half-type copies, the gathered rows of the counted tokens and, in the
-    backward, grad_hidden before it is scattered back and a half-type grad_weight's fp32 sum."""
-    backward = not n.op.differentiable
-    hidden, weight = (n.args[1], n.args[2]) if backward else (n.args[0], n.args[1])
-    chunk = n.args[7] if chunked and backward else n.args[5] if chunked else 0
+def _lce_temporaries(hidden, weight, chunk, grads: bool = True, weight_sum: bool = True) -> int:
+    """Bytes of the loss kernels' own temporaries (kiln/kernels/cross_entropy.py), at most: a chunk of fp32
+    logits (or softmax - onehot) and its half-type copy, the gathered rows of the counted tokens and (if it
+    computes `grads`) their grad_hidden rows, and a half-type grad_weight's fp32 sum (`weight_sum`)."""
     tokens = int(_numel(hidden)) // hint(shape(hidden)[-1])
     vocab, width = hint(shape(weight)[0]), hint(shape(weight)[1])
     item, acc = hidden.meta.dtype.itemsize, acc_dtype(hidden.meta.dtype).itemsize
-    rows = chunk_rows(tokens, vocab, chunk if isinstance(chunk, int) else 0, LOGIT_BUDGET if chunked else TEMP_BUDGET)
+    rows = chunk_rows(tokens, vocab, chunk if isinstance(chunk, int) else 0, LOGIT_BUDGET)
     half = item != acc
-    if chunked or backward:         # fp32 logits (or softmax - onehot) of a chunk, and its half-type copy
-        per_logit = acc + (item if half else 0)
-    else:                           # the unchunked forward's matmul writes the kept buffer; half: a block
-        per_logit = item if half else 0
-    block = rows * vocab * per_logit
-    rows_kept = tokens * width * item * (2 if backward else 1)
-    return int(block + rows_kept + (vocab * width * acc if backward and half else 0))
+    block = rows * vocab * (acc + (item if half else 0))
+    return int(block + (2 if grads else 1) * tokens * width * item + (vocab * width * acc if half and weight_sum else 0))
 
 
 # Cast LOWER although it is a loss: it is the vocabulary projection (the model's biggest matmul), which
 # amp must run in low precision as it would the unfused lm_head; the kernel keeps the softmax
-# statistics and the loss in fp32 itself. amp_overrides={"kiln.linear_cross_entropy": "fp32"} opts out.
+# statistics and the loss in fp32 itself. amp_overrides={"kiln.linear_cross_entropy": "fp32"} opts out
+# (for the fused loss of a compiled lm_head: "kiln.linear_cross_entropy_grads").
 defop(kiln_ops.linear_cross_entropy.default, vjp_linear_cross_entropy, Kind.LOSS, LOW, cost=_lce_flops,
-      workspace=lambda n: _lce_workspace(n, chunked=True))
+      workspace=lambda n: _lce_temporaries(n.args[0], n.args[1], n.args[5], grads=False, weight_sum=False))
 _backward_op(kiln_ops.linear_cross_entropy_backward.default, Kind.LOSS, LOW,
              cost=lambda n: _lce_flops(n, 6.0),   # recompute + grad_hidden + grad_weight
-             workspace=lambda n: _lce_workspace(n, chunked=True))
+             workspace=lambda n: _lce_temporaries(n.args[1], n.args[2], n.args[7]))
 
 
-def vjp_linear_cross_entropy_unchunked(b, n, g, _g_logp=None):
-    hidden, weight, labels, ignore_index, reduction = n.args[:5]
-    gh, gw = b(kiln_ops.linear_cross_entropy_unchunked_backward.default, g, hidden, weight, labels, n.outputs[1],
-               ignore_index, reduction)
-    return gh, gw, None, None, None
+# The loss with its gradient computed in the forward (the fused loss Kiln's training steps use): the
+# backward scales the two gradients, so the step keeps them (hidden- and weight-sized) instead of any
+# logits, for the same 3 matmuls as eager. Keeping less would not lower the peak: the backward makes both
+# gradients first thing, which is where the forward's activations are all still live.
+def vjp_linear_cross_entropy_grads(b, n, g, *_unused):
+    _loss, gh, gw, scale = n.outputs
+    gx, gwx = b(kiln_ops.linear_cross_entropy_grads_backward.default, g, gh, gw, scale, n.args[1].meta.dtype)
+    return gx, gwx, None, None, None, None
 
 
-# the same loss with the log-probabilities kept (small logits): no recompute in the backward
-defop(kiln_ops.linear_cross_entropy_unchunked.default, vjp_linear_cross_entropy_unchunked, Kind.LOSS, LOW,
-      cost=_lce_flops, workspace=lambda n: _lce_workspace(n, chunked=False))
-_backward_op(kiln_ops.linear_cross_entropy_unchunked_backward.default, Kind.LOSS, LOW,
-             cost=lambda n: _lce_flops(n, 4.0),   # grad_hidden + grad_weight
-             workspace=lambda n: _lce_workspace(n, chunked=False))
+defop(kiln_ops.linear_cross_entropy_grads.default, vjp_linear_cross_entropy_grads, Kind.LOSS, LOW,
+      cost=lambda n: _lce_flops(n, 6.0),   # the logits, grad_hidden and grad_weight
+      workspace=lambda n: _lce_temporaries(n.args[0], n.args[1], n.args[5], weight_sum=False))
+_backward_op(kiln_ops.linear_cross_entropy_grads_backward.default, Kind.LOSS, FOLLOW)
 
 
 # ---- CTC loss (lengths as tensors): the backward recomputes ATen's alignment table ---------------

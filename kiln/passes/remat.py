@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.errors import KilnError
+from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Node, Phase, Value, tree_map_values
 from kiln.ops.registry import Kind
 from kiln.passes import memory
@@ -95,7 +96,7 @@ def candidates(graph: Graph) -> list[Recompute]:
         if not ok or not read:
             continue
         nbytes = sum(memory.hint(o.meta.nbytes) for o in n.outputs)
-        out.append(Recompute(n, _needed(views, read), nbytes, float(n.op.cost(n))))
+        out.append(Recompute(n, _needed(views, read), nbytes, symbolic.estimate(n.op.cost(n))))
     out.sort(key=lambda r: (_RANK[r.node.op.kind], r.flops / max(r.nbytes, 1)))
     return out
 

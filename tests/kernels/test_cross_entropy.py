@@ -1,5 +1,5 @@
-"""linear_cross_entropy (chunked) and linear_cross_entropy_unchunked vs F.linear + F.cross_entropy, the
-tokens they skip, and the chunked kernel's memory bound."""
+"""linear_cross_entropy (chunked) and linear_cross_entropy_grads (the gradient in the forward) vs F.linear +
+F.cross_entropy, the tokens they skip, and what they keep for the backward."""
 from __future__ import annotations
 
 import json
@@ -28,8 +28,8 @@ def _fused(y, **kw):
     return lambda h, w: K.linear_cross_entropy(h, w, y, **kw)
 
 
-def _unchunked(y, ignore_index=-100, reduction="mean"):
-    return lambda h, w: torch.ops.kiln.linear_cross_entropy_unchunked(h, w, y, ignore_index, reduction)[0]
+def _grads(y, ignore_index=-100, reduction="mean", chunk=0):
+    return lambda h, w: torch.ops.kiln.linear_cross_entropy_grads(h, w, y, ignore_index, reduction, chunk)[0]
 
 
 def _ref(y, **kw):
@@ -44,23 +44,42 @@ def test_reductions_and_chunks_fp32(reduction, chunk):
     check(_fused(y, reduction=reduction, chunk_size=chunk), _ref(y, reduction=reduction), [h, w], FP32)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("ignored", [0.0, 0.25, 0.9])
-def test_unchunked_reductions(reduction, ignored):
+def test_grads_reductions(reduction, ignored):
     h, w, y = torch.randn(3, 11, 24), torch.randn(37, 24) * 0.5, _labels((3, 11), 37, ignored=ignored)
-    check(_unchunked(y, reduction=reduction), _ref(y, reduction=reduction), [h, w], FP32)
+    check(_grads(y, reduction=reduction), _ref(y, reduction=reduction), [h, w], FP32)
+
+
+def test_grads_needs_one_incoming_gradient():
+    h, w, y = torch.randn(4, 8), torch.randn(10, 8), _labels((4,), 10)
+    with pytest.raises(ValueError, match="mean or a sum"):
+        _grads(y, reduction="none")(h, w)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_unchunked_in_blocks_of_rows(monkeypatch, dtype):
-    """Temporaries a block of rows at a time (here the smallest block, 128 rows: 3 blocks for 300 tokens)."""
-    from kiln.kernels import cross_entropy
-    monkeypatch.setattr(cross_entropy, "TEMP_BUDGET", 1)
-    h, w, y = torch.randn(300, 16), torch.randn(37, 16) * 0.5, _labels((300,), 37)
+@pytest.mark.parametrize("chunk", [1, 7, 128])
+def test_grads_in_chunks(dtype, chunk):
+    """Chunks of 1 row, a number that does not divide the tokens, and whole (bf16 sums grad_weight in fp32)."""
+    h, w, y = torch.randn(30, 16), torch.randn(37, 16) * 0.5, _labels((30,), 37)
     if dtype == "fp32":
-        check(_unchunked(y, reduction="sum"), _ref(y, reduction="sum"), [h, w], FP32)
+        check(_grads(y, reduction="sum", chunk=chunk), _ref(y, reduction="sum"), [h, w], FP32)
     else:
-        check(_unchunked(y), _ref(y), [h.bfloat16(), w.bfloat16()], BF16, ref_dtype=torch.float32)
+        check(_grads(y, chunk=chunk), _ref(y), [h.bfloat16(), w.bfloat16()], BF16, ref_dtype=torch.float32)
+
+
+def test_grads_scale_after_the_loss():
+    """The forward's gradients are of the sum, scaled in the backward: a mean over 4096 tokens in fp16 under
+    a loss scale of 2**16 has the fp64 reference's gradients (no entry flushed to 0 on the way)."""
+    h, w = torch.randn(4096, 8, dtype=torch.float64), torch.randn(64, 8, dtype=torch.float64) * 0.1
+    y = _labels((4096,), 64, ignored=0.0)
+    hf, wf = h.half().requires_grad_(), w.half().requires_grad_()
+    (_grads(y)(hf, wf) * 2 ** 16).backward()
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    (refs.linear_cross_entropy(hr, wr, y) * 2 ** 16).backward()
+    assert (hf.grad != 0).float().mean() > 0.99
+    torch.testing.assert_close(hf.grad.double(), hr.grad, rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(wf.grad.double(), wr.grad, rtol=2e-2, atol=1e-1)
 
 
 def _mm_flops(fn, h, w) -> int:
@@ -78,13 +97,13 @@ def _mm_flops(fn, h, w) -> int:
     return total
 
 
-@pytest.mark.parametrize("variant", ["chunked", "unchunked"])
+@pytest.mark.parametrize("variant", ["chunked", "grads"])
 def test_ignored_tokens_cost_no_matmul(variant):
     """Half the labels ignored: half the vocabulary matmuls, forward and backward (eager computes them all)."""
     h, w = torch.randn(64, 16), torch.randn(500, 16)
     every, half = _labels((64,), 500, ignored=0.0), _labels((64,), 500, ignored=0.0)
     half[::2] = -100
-    kernel = (lambda y: _fused(y, chunk_size=24)) if variant == "chunked" else _unchunked
+    kernel = (lambda y: _fused(y, chunk_size=24)) if variant == "chunked" else _grads
     flops = {name: _mm_flops(kernel(y), h, w) for name, y in (("every", every), ("half", half))}
     assert flops["every"] > 0 and flops["half"] == flops["every"] // 2, flops
     assert _mm_flops(_ref(half), h, w) == _mm_flops(_ref(every), h, w)
@@ -97,7 +116,7 @@ def test_nonfinite_hidden_at_an_ignored_token_stays_out_of_the_gradients():
     y[3] = -100
     bad = h.clone()
     bad[3] = float("inf")
-    for kernel in (_fused(y, chunk_size=4), _unchunked(y)):
+    for kernel in (_fused(y, chunk_size=4), _grads(y)):
         grads = []
         for x in (h, bad):
             x, wx = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -118,8 +137,9 @@ def test_fp64_formula_and_custom_ignore_index():
     for reduction in ("mean", "sum", "none"):
         check(_fused(y, ignore_index=3, reduction=reduction, chunk_size=6),
               _ref(y, ignore_index=3, reduction=reduction), [h, w], FP64)
-        check(_unchunked(y, ignore_index=3, reduction=reduction),
-              _ref(y, ignore_index=3, reduction=reduction), [h, w], FP64)
+        if reduction != "none":
+            check(_grads(y, ignore_index=3, reduction=reduction, chunk=6),
+                  _ref(y, ignore_index=3, reduction=reduction), [h, w], FP64)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -129,7 +149,8 @@ def test_all_labels_ignored(reduction):
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
     want = refs.linear_cross_entropy(hr, wr, y, reduction=reduction)
     want.sum().backward()
-    for kernel in (_fused(y, reduction=reduction, chunk_size=4), _unchunked(y, reduction=reduction)):
+    kernels = [_fused(y, reduction=reduction, chunk_size=4)] + ([_grads(y, reduction=reduction)] if reduction != "none" else [])
+    for kernel in kernels:
         hf, wf = h.clone().requires_grad_(), w.clone().requires_grad_()
         got = kernel(hf, wf)
         torch.testing.assert_close(got, want, equal_nan=True)
@@ -144,9 +165,8 @@ def test_bf16_loss_is_fp32(chunk):
     h, w, y = torch.randn(12, 16).bfloat16(), (torch.randn(40, 16) * 0.5).bfloat16(), _labels((12,), 40)
     out = check(_fused(y, chunk_size=chunk), _ref(y), [h, w], BF16, ref_dtype=torch.float32)
     assert out[0].dtype == torch.float32
-    if chunk == 0:
-        out = check(_unchunked(y), _ref(y), [h, w], BF16, ref_dtype=torch.float32)
-        assert out[0].dtype == torch.float32
+    out = check(_grads(y, chunk=chunk), _ref(y), [h, w], BF16, ref_dtype=torch.float32)
+    assert out[0].dtype == torch.float32
 
 
 def test_chunk_rows_do_not_grow_with_tokens():
@@ -158,6 +178,12 @@ def test_chunk_rows_do_not_grow_with_tokens():
 def test_saves_only_lse():
     h, w, y = torch.randn(64, 16, requires_grad=True), torch.randn(1000, 16, requires_grad=True), _labels((64,), 1000)
     assert refs.saved_bytes(lambda h, w, y: K.linear_cross_entropy(h, w, y), [h, w, y]) == 64 * 4
+
+
+def test_grads_saves_the_gradients_not_the_logits():
+    h, w, y = torch.randn(64, 16, requires_grad=True), torch.randn(1000, 16, requires_grad=True), _labels((64,), 1000)
+    fn = lambda h, w, y: torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "mean", 0)[0]   # noqa: E731
+    assert refs.saved_bytes(fn, [h, w, y]) == (64 * 16 + 1000 * 16 + 1) * 4
     assert refs.saved_bytes(lambda h, w, y: refs.linear_cross_entropy(h, w, y), [h, w, y]) >= 64 * 1000 * 4
 
 

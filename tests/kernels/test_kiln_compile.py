@@ -109,7 +109,7 @@ EXPECTED = {  # op: (kind, cast)
     "dropout_add_layer_norm": (Kind.RANDOM, Cast.FP32), "swiglu": (Kind.POINTWISE, Cast.FOLLOW),
     "swiglu_linear": (Kind.MATMUL, Cast.LOWER), "linear_gelu": (Kind.MATMUL, Cast.LOWER),
     "rope": (Kind.POINTWISE, Cast.FOLLOW), "linear_cross_entropy": (Kind.LOSS, Cast.LOWER),
-    "linear_cross_entropy_unchunked": (Kind.LOSS, Cast.LOWER),
+    "linear_cross_entropy_grads": (Kind.LOSS, Cast.LOWER),
     "ctc_loss": (Kind.LOSS, Cast.FP32),
 }
 

@@ -74,11 +74,12 @@ def samples():
             out += [(f"lce-{red}-{tag}", k.linear_cross_entropy.default, (h, wv, y, -100, red, 4), DETERMINISTIC),
                     (f"lce_backward-{red}-{tag}", k.linear_cross_entropy_backward.default,
                      (torch.randn_like(loss), *_plain(h, wv), y, lse, -100, red, 4), DETERMINISTIC)]
-            loss, logp = k.linear_cross_entropy_unchunked(*_plain(h, wv), y, -100, red)
-            out += [(f"lce_unchunked-{red}-{tag}", k.linear_cross_entropy_unchunked.default,
-                     (h, wv, y, -100, red), DETERMINISTIC),
-                    (f"lce_unchunked_backward-{red}-{tag}", k.linear_cross_entropy_unchunked_backward.default,
-                     (torch.randn_like(loss), *_plain(h, wv), y, logp, -100, red), DETERMINISTIC)]
+        for red in ("mean", "sum"):
+            loss, gh, gw, scale = k.linear_cross_entropy_grads(*_plain(h, wv), y, -100, red, 4)
+            out += [(f"lce_grads-{red}-{tag}", k.linear_cross_entropy_grads.default, (h, wv, y, -100, red, 4),
+                     DETERMINISTIC),
+                    (f"lce_grads_backward-{red}-{tag}", k.linear_cross_entropy_grads_backward.default,
+                     (torch.randn_like(loss), gh, gw, scale, dt), DETERMINISTIC)]
         lp = _r(12, 3, 6, dtype=dt).log_softmax(-1).detach().requires_grad_()
         ctc = (torch.randint(1, 6, (3, 5)), torch.tensor([12, 10, 7]), torch.tensor([5, 3, 1]))
         out += [(f"ctc_loss-{red}-{tag}", k.ctc_loss.default, (lp, *ctc, 0, red, True), DETERMINISTIC)

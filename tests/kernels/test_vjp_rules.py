@@ -35,15 +35,25 @@ def _dal_ref(x, r, w, b, p, eps, training):
 
 def _lce_ref(h, w, y, ignore_index, reduction, chunk=None):
     """(loss, lse) as the chunked op returns them: the log-sum-exp of each token's logits, 0 at ignored
-    tokens; the unchunked op's second output is the valid tokens' log-softmax rows, first, then 0."""
+    tokens."""
     logits = F.linear(h, w)
     loss = F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=ignore_index, reduction=reduction)
     loss = loss.reshape(y.shape) if reduction == "none" else loss
     valid = y != ignore_index
-    if chunk is None:
-        rows = logits.detach().flatten(0, -2)[valid.flatten()].log_softmax(-1)
-        return loss, torch.cat([rows, rows.new_zeros(y.numel() - rows.shape[0], w.shape[0])])
     return loss, torch.logsumexp(logits, -1).detach() * valid
+
+
+def _lce_grads_ref(h, w, y, ignore_index, reduction, chunk):
+    """(loss, grad_hidden, grad_weight, scale) as the gradient-in-the-forward op returns them: the gradients
+    of the sum of the counted tokens' losses (softmax - onehot, 0 at ignored tokens, times hidden or
+    weight) and what turns them into the loss's."""
+    loss = _lce_ref(h, w, y, ignore_index, reduction)[0]
+    valid = (y != ignore_index).flatten()
+    p = F.linear(h, w).detach().flatten(0, -2).softmax(-1)
+    d = (p - F.one_hot(y.flatten().clamp(min=0), w.shape[0]).to(p.dtype)) * valid[:, None]
+    count = int(valid.sum())
+    scale = torch.tensor(1.0 / count if reduction == "mean" and count else 1.0, dtype=p.dtype)
+    return loss, (d @ w.detach()).reshape(h.shape), d.t() @ h.detach().flatten(0, -2), scale
 
 
 @dataclass
@@ -88,12 +98,12 @@ CASES = [
     Case("linear_cross_entropy-none", k.linear_cross_entropy.default,
          lambda d: (_r(7, 8, dtype=d), _r(20, 8, dtype=d), torch.tensor([1, -100, 3, 4, 19, 0, 2]), -100, "none", 3),
          _lce_ref),
-    Case("linear_cross_entropy_unchunked", k.linear_cross_entropy_unchunked.default,
+    Case("linear_cross_entropy_grads", k.linear_cross_entropy_grads.default,
          lambda d: (_r(2, 6, 8, dtype=d), _r(20, 8, dtype=d), torch.tensor([[1, -100, 3, 4, 19, 0]] * 2), -100,
-                    "mean"), _lce_ref),
-    Case("linear_cross_entropy_unchunked-none", k.linear_cross_entropy_unchunked.default,
-         lambda d: (_r(7, 8, dtype=d), _r(20, 8, dtype=d), torch.tensor([1, -100, 3, 4, 19, 0, -100]), -100, "none"),
-         _lce_ref),
+                    "mean", 5), _lce_grads_ref),
+    Case("linear_cross_entropy_grads-sum", k.linear_cross_entropy_grads.default,
+         lambda d: (_r(7, 8, dtype=d), _r(20, 8, dtype=d), torch.tensor([1, -100, 3, 4, 19, 0, -100]), -100, "sum", 0),
+         _lce_grads_ref),
     # lengths as tensors: the reference is torch's own CTC loss
     Case("ctc_loss", k.ctc_loss.default,
          lambda d: (_r(12, 3, 6, dtype=d).log_softmax(-1), torch.randint(1, 6, (3, 5)), torch.tensor([12, 10, 7]),

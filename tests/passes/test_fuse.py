@@ -269,20 +269,20 @@ def test_llama_fuses_norms_rope_and_swiglu_and_trains_like_eager():
     assert len(updates[0].args[0]) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "unchunked"])
-def test_vocabulary_projection_fuses_with_the_loss(monkeypatch, kernel):
-    """Logits of LOGITS_BYTES_TO_FUSE or more: one kernel, chunked from LOGITS_BYTES_TO_CHUNK (the tiny
-    model takes the same code path with the thresholds at 0). Padding (ignored labels) trains like eager."""
+def test_vocabulary_projection_fuses_with_the_loss(monkeypatch):
+    """Logits of LOGITS_BYTES_TO_FUSE or more (the tiny model takes the same code path with the threshold at
+    0): one kernel computing the loss and its gradients in the forward; the backward only scales them.
+    Padding (ignored labels) trains like eager."""
     from kiln.dialects import kiln_kernels
     monkeypatch.setattr(kiln_kernels, "LOGITS_BYTES_TO_FUSE", 0)
-    monkeypatch.setattr(kiln_kernels, "LOGITS_BYTES_TO_CHUNK", 0 if kernel == "chunked" else 2 ** 40)
     model, ids = _llama()
     labels = ids.clone()
     labels[0, 7:] = -100                                   # a padded row
     step = _train_both(model, ids, labels=labels)
-    op = kiln_ops.linear_cross_entropy if kernel == "chunked" else kiln_ops.linear_cross_entropy_unchunked
-    assert sum(n.target is op.default for n in step.graph.nodes) == 1
-    assert sum(n.target is aten._log_softmax.default for n in step.graph.nodes) == 0
+    targets = [n.target for n in step.graph.nodes]
+    assert targets.count(kiln_ops.linear_cross_entropy_grads.default) == 1
+    assert targets.count(kiln_ops.linear_cross_entropy_grads_backward.default) == 1
+    assert aten._log_softmax.default not in targets
 
 
 def test_fused_loss_with_dynamic_lengths_and_padding_trains_like_eager(monkeypatch):
@@ -308,7 +308,7 @@ def test_fused_loss_with_dynamic_lengths_and_padding_trains_like_eager(monkeypat
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5, msg=name)
     assert step.cache_info().compiles == 1
-    assert sum(n.target is kiln_ops.linear_cross_entropy_unchunked.default for n in step.graph.nodes) == 1
+    assert sum(n.target is kiln_ops.linear_cross_entropy_grads.default for n in step.graph.nodes) == 1
 
 
 def test_small_vocabulary_keeps_the_logits():
