@@ -405,8 +405,8 @@ class CompiledStep:
 
     def _heap_outside(self, args, kwargs, constants) -> int:
         """Under a byte budget (a budget for the process's heap): what the process holds now beyond the
-        tensors the step's prediction counts (kiln.runtime.memory.outside_heap), or more if a first step
-        showed more (`_recheck_budget`); 0 otherwise."""
+        tensors the step's prediction counts (kiln.runtime.memory.outside_heap) and room for it to grow
+        (`memory.HEAP_GROWTH`), or more if a first step showed more (`_recheck_budget`); 0 otherwise."""
         if not isinstance(self.memory_budget, int):
             return 0
         tensors = [*self._tensors.values(), *pytree.tree_leaves((args, kwargs, self.state)), *constants.values(),
@@ -415,7 +415,7 @@ class CompiledStep:
         if outside is None:
             log.info("kiln: memory_budget counts the step's tensors only: this platform's allocator cannot say "
                      "what else the process holds")
-        return max(self._agreed(outside or 0), self._outside_seen)
+        return max(self._agreed(outside) + memory.HEAP_GROWTH if outside is not None else 0, self._outside_seen)
 
     def _agreed(self, outside: int) -> int:
         """Data parallel: the largest heap any rank holds, so that every rank plans the same program and
@@ -436,7 +436,7 @@ class CompiledStep:
         outside = memory.outside_heap([f(leaves, hyper) for f in prog.fetch])    # the program's inputs
         if outside is None:
             return
-        outside = self._agreed(outside)
+        outside = self._agreed(outside) + memory.HEAP_GROWTH
         if plan.after + outside <= plan.budget:
             return
         self._outside_seen = outside
