@@ -6,18 +6,24 @@ placement). The measurement replays the latest batch like `profile()` (on copies
 optimizer state, the random state restored) with the bytes glibc's allocator holds read after every node
 (`mallinfo2`: in-use heap chunks plus mmapped ones), so both count the same thing: tensors the step
 allocates, persistent ones (parameters, state, the batch) counted apart.
+
+`HeapBudget` is a byte budget's account of the rest of the process (what it holds beyond a step's
+tensors), which `CompiledStep` plans with and checks after a program's first step.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import logging
 import re
 from dataclasses import dataclass, field
 
 from kiln.errors import KilnError
 from kiln.ir.symbolic import hint
 from kiln.passes import memory as model
+
+log = logging.getLogger("kiln")
 
 MIB = 2 ** 20
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
@@ -202,3 +208,49 @@ def guards(graph, plan) -> list:
         return []
     return [(sympy.Le(expr + plan.persistent, plan.step_budget),
              f"memory: the predicted peak of a batch of these sizes within the budget of {plan.budget / MIB:.0f} MiB")]
+
+
+class HeapBudget:
+    """A byte budget's view of the process: what it holds beyond a step's tensors when a program is planned,
+    and again after the program's first step, for one re-plan if torch's first-run allocations (thread
+    pools' buffers, kernel caches: 16 MiB for the Llama bench model) no longer leave the plan room.
+    `gather` (data parallel: `comm.gather_objects`) makes every rank take the largest heap any rank holds,
+    so they plan the same program and re-plan together (a re-plan compiles, and the ranks check their
+    compiles together)."""
+
+    def __init__(self, gather=None):
+        self.gather = gather
+        self.seen = 0                   # what a first step showed, once it showed more than the plan allowed
+
+    def _agreed(self, outside: int) -> int:
+        return outside if self.gather is None else max(self.gather(outside, "the heap each process holds beyond "
+                                                                            "its step"))
+
+    def outside(self, tensors) -> int:
+        """The heap beyond `tensors` (`outside_heap`) and `HEAP_GROWTH`, or what a first step showed if more;
+        0 where the allocator cannot say."""
+        held = outside_heap(tensors)
+        if held is None:
+            log.info("kiln: memory_budget counts the step's tensors only: this platform's allocator cannot say "
+                     "what else the process holds")
+            return self.seen
+        return max(self._agreed(held) + HEAP_GROWTH, self.seen)
+
+    def recheck(self, plan, inputs) -> str | None:
+        """After a program's first step: whether its `plan` (kiln.passes.remat.Plan) still fits beside what the
+        process holds beyond the program's `inputs`; if not, the note to record (the caller drops the
+        program, and the next compile plans with `seen`). At most once per step."""
+        if self.seen:
+            return None
+        held = outside_heap(inputs)
+        if held is None:
+            return None
+        held = self._agreed(held) + HEAP_GROWTH
+        if plan.after + held <= plan.budget:
+            return None
+        self.seen = held
+        log.info("kiln: after its first step the process holds %.0f MiB beyond the step's tensors (%.0f MiB when the "
+                 "step was planned): compiling it again to keep within memory_budget=%.0f MiB", held / MIB,
+                 plan.outside / MIB, plan.budget / MIB)
+        return (f"re-planned for memory_budget: the process held {held / MIB:.0f} MiB beyond the step's tensors after "
+                f"the first step, {plan.outside / MIB:.0f} MiB when compiling")

@@ -155,9 +155,11 @@ class CompiledStep:
         self._lock = threading.RLock()        # calls (and compiles) on one step run one at a time
         self._tensors = self._module_tensors()
         self._warned_full = False
-        self._outside_seen = 0              # memory_budget: the process's heap beyond the step, seen after a step
         self._static_only: set = set()      # structures whose dynamic compile failed: static programs only
         self.parallel = Parallel(parallel, self) if parallel is not None else None   # checks the ranks agree
+        # memory_budget in bytes: the process's heap beyond the step (data parallel: the largest of the ranks')
+        self._heap = memory.HeapBudget(None if self.parallel is None else
+                                       lambda obj, what: self.parallel.comm.gather_objects(obj, what))
         # ---- end data parallel
 
     # ---- running ---------------------------------------------------------------------------
@@ -404,50 +406,24 @@ class CompiledStep:
         return prog
 
     def _heap_outside(self, args, kwargs, constants) -> int:
-        """Under a byte budget (a budget for the process's heap): what the process holds now beyond the
-        tensors the step's prediction counts (kiln.runtime.memory.outside_heap) and room for it to grow
-        (`memory.HEAP_GROWTH`), or more if a first step showed more (`_recheck_budget`); 0 otherwise."""
+        """Under a byte budget: what the process holds beyond the tensors the step's prediction counts, with
+        room to grow (`memory.HeapBudget.outside`); 0 otherwise."""
         if not isinstance(self.memory_budget, int):
             return 0
-        tensors = [*self._tensors.values(), *pytree.tree_leaves((args, kwargs, self.state)), *constants.values(),
-                   *self.grad_sums.values()]
-        outside = memory.outside_heap(tensors)
-        if outside is None:
-            log.info("kiln: memory_budget counts the step's tensors only: this platform's allocator cannot say "
-                     "what else the process holds")
-        return max(self._agreed(outside) + memory.HEAP_GROWTH if outside is not None else 0, self._outside_seen)
-
-    def _agreed(self, outside: int) -> int:
-        """Data parallel: the largest heap any rank holds, so that every rank plans the same program and
-        decides a re-plan alike (a re-plan compiles, and the ranks check their compiles together)."""
-        if self.parallel is None:
-            return outside
-        return max(self.parallel.comm.gather_objects(outside, "the heap each process holds beyond its step"))
+        return self._heap.outside([*self._tensors.values(), *pytree.tree_leaves((args, kwargs, self.state)),
+                                   *constants.values(), *self.grad_sums.values()])
 
     def _recheck_budget(self, prog: Program, leaves) -> None:
-        """After a program's first step under a byte budget: torch allocates for good on its first run (thread
-        pools' buffers, kernel caches: 16 MiB for the Llama bench model), so the process may now hold more
-        beyond the step's tensors than when the program was planned. If the plan no longer fits, the program
-        is dropped and the next call compiles it again with what was measured (once per step)."""
-        plan = prog.memory
-        if plan is None or not isinstance(self.memory_budget, int) or self._outside_seen:
+        """After a program's first step under a byte budget: if the process now holds more than its plan left
+        room for (`memory.HeapBudget.recheck`), the program is dropped and the next call compiles it again."""
+        if prog.memory is None or not isinstance(self.memory_budget, int):
             return
         hyper = self.optimizer.scalars()
-        outside = memory.outside_heap([f(leaves, hyper) for f in prog.fetch])    # the program's inputs
-        if outside is None:
-            return
-        outside = self._agreed(outside) + memory.HEAP_GROWTH
-        if plan.after + outside <= plan.budget:
-            return
-        self._outside_seen = outside
-        mib = 2 ** 20
-        log.info("kiln: after its first step the process holds %.0f MiB beyond the step's tensors (%.0f MiB when the "
-                 "step was planned): compiling it again to keep within memory_budget=%.0f MiB", outside / mib,
-                 plan.outside / mib, plan.budget / mib)
-        self.cache.notes.append(f"re-planned for memory_budget: the process held {outside / mib:.0f} MiB beyond the "
-                                f"step's tensors after the first step, {plan.outside / mib:.0f} MiB when compiling")
-        self.cache.remove(prog)             # `last` keeps it for step.memory() until the next call
-        self.tuner.retire(prog.tuning)
+        note = self._heap.recheck(prog.memory, [f(leaves, hyper) for f in prog.fetch])   # the program's inputs
+        if note:
+            self.cache.notes.append(note)
+            self.cache.remove(prog)             # `last` keeps it for step.memory() until the next call
+            self.tuner.retire(prog.tuning)
 
     def _fetcher(self, v, constants) -> Callable[[list, dict], Any]:
         """How a graph input is found at each call, from (the call's leaves, the optimizer's scalars now)."""
