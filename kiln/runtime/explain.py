@@ -99,8 +99,11 @@ def explain(step, file=None, profile: bool = False) -> str:
     lines.append(f"{len(g.nodes)} ops: " + ", ".join(f"{k} {v}" for k, v in by_phase.items()) +
                  " | dialects: " + ", ".join(f"{k} {v}" for k, v in sorted(by_dialect.items())))
     casts = [n for n in g.nodes if n.target is torch.ops.aten._to_copy.default]
+    kinds = collections.Counter(cast_kinds(g).values())
     lines.append(f"casts: {len(casts)} (forward {sum(n.phase.value == 'forward' for n in casts)}, "
                  f"backward {sum(n.phase.value == 'backward' for n in casts)})" +
+                 (f": {kinds['parameters']} of parameters and buffers (once per step), {kinds['gradients']} of "
+                  f"their gradients, {kinds['activations']} of activations" if casts else "") +
                  (f"; amp {step.amp.dtype}".replace("torch.", "") if getattr(step, "amp", None) else ""))
     records = {id(n.fused): n.fused for n in g.nodes if n.fused is not None}   # one per fused subgraph
     if records:
@@ -147,3 +150,31 @@ def explain(step, file=None, profile: bool = False) -> str:
     text = "\n".join(lines)
     print(text, file=file or sys.stdout)
     return text
+
+
+def cast_kinds(g) -> dict:
+    """Each stand-alone cast node (`aten._to_copy`) of graph g -> what it casts: "parameters" (a parameter or
+    buffer, or a view of one: once per step), "gradients" (a backward value that goes straight to the
+    optimizer or a collective: a parameter's gradient back to its dtype) or "activations" (anything else,
+    what issue 22 wants inside kernels)."""
+    from kiln.ir.graph import Phase, Role
+    from kiln.ops.registry import Kind
+    from kiln.passes.memory import aliases
+    users = g.users()
+    out = {}
+    for n in g.nodes:
+        if n.target is not torch.ops.aten._to_copy.default:
+            continue
+        src = n.args[0]
+        while src.producer is not None and aliases(src.producer):
+            src = next(v for v in src.producer.inputs if v.meta is not None)
+        readers = users.get(n.outputs[0], [])
+        if src.producer is None and src.role in (Role.PARAM, Role.FROZEN, Role.BUFFER):
+            out[n] = "parameters"
+        elif n.phase is Phase.BACKWARD and readers and all(
+                u.phase is Phase.OPTIMIZER or u.op.kind is Kind.COLLECTIVE for u in readers):
+            out[n] = "gradients"
+        else:
+            out[n] = "activations"
+    return out
+

@@ -201,6 +201,21 @@ def test_source_and_explain_describe_the_whole_step(capsys):
     assert capsys.readouterr().out.strip() == text.strip()
 
 
+def test_explain_tells_parameter_casts_from_activation_casts():
+    """In a bf16 program each weight and bias is cast once per step and its gradient cast back; what else
+    is cast (here the batch into the first matmul, the logits into the fp32 loss and the loss's gradient
+    back) is an activation cast, the kind issue 22 wants inside kernels."""
+    from kiln.runtime.explain import cast_kinds
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.1), amp="bf16",
+                        loss_fn=lambda m, x, y: F.cross_entropy(m(x), y))
+    step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    kinds = list(cast_kinds(step.graph).values())
+    assert kinds.count("parameters") == 4 and kinds.count("gradients") == 4, kinds
+    assert kinds.count("activations") >= 2, kinds
+    assert "4 of parameters and buffers (once per step), 4 of their gradients" in kiln.explain(step)
+
+
 def test_explain_profile_times_every_op_and_changes_nothing():
     model, args, kwargs, _ = zoo.gpt2()
     step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3))
