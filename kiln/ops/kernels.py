@@ -157,14 +157,16 @@ def _lce_flops(n, factor: float = 2.0) -> float:
 def _lce_temporaries(hidden, weight, chunk, grads: bool = True, weight_sum: bool = True) -> int:
     """Bytes of the loss kernels' own temporaries (kiln/kernels/cross_entropy.py), at most: a chunk of fp32
     logits (or softmax - onehot) and its half-type copy, the gathered rows of the counted tokens and (if it
-    computes `grads`) their grad_hidden rows, and a half-type grad_weight's fp32 sum (`weight_sum`)."""
+    computes `grads`) their grad_hidden rows, a half-type chunk's grad_weight product before it is added to
+    the fp32 sum, and that sum (`weight_sum`: when it is not an output)."""
     tokens = int(_numel(hidden)) // hint(shape(hidden)[-1])
     vocab, width = hint(shape(weight)[0]), hint(shape(weight)[1])
     item, acc = hidden.meta.dtype.itemsize, acc_dtype(hidden.meta.dtype).itemsize
     rows = chunk_rows(tokens, vocab, chunk if isinstance(chunk, int) else 0, LOGIT_BUDGET)
     half = item != acc
     block = rows * vocab * (acc + (item if half else 0))
-    return int(block + (2 if grads else 1) * tokens * width * item + (vocab * width * acc if half and weight_sum else 0))
+    weight = vocab * width * ((item if grads else 0) + (acc if weight_sum else 0)) if half else 0
+    return int(block + (2 if grads else 1) * tokens * width * item + weight)
 
 
 # Cast LOWER although it is a loss: it is the vocabulary projection (the model's biggest matmul), which
