@@ -31,6 +31,13 @@ from kiln.kernels._common import acc_dtype, gpu_impl, rows
 # whole weight), so a chunk never has fewer: then it holds 128 x vocab logits, which is no more than
 # the weight itself for hidden >= 128. Either way the chunk does not grow with the number of tokens.
 LOGIT_BUDGET = 1 << 24
+# The gradient-in-the-forward kernel's chunks: in fp32 their size does not change its speed (2048 tokens x
+# vocab 8192 on an AVX-512 Xeon: 204, 200, 202, 199 ms at 2048, 1024, 512, 256 rows), so they are small
+# (4M logits, 16 MiB); in bf16 fewer rows cost time (96, 107, 109, 113 ms) and they take 8M logits, half of
+# LOGIT_BUDGET, for a third of its temporaries at the bench models' batch 8 (its fp32 logits, their bf16
+# copy and the grad_weight product: 108 -> 60 MiB) for 11 % more time in the kernel.
+GRADS_BUDGET = {torch.float32: 1 << 22}
+GRADS_BUDGET_HALF = 1 << 23
 MIN_ROWS = 128
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -218,13 +225,19 @@ linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
 
 
 # ---- the gradient in the forward: 3 matmuls and no logits kept ----------------------------------
+def grads_budget(dtype: torch.dtype) -> int:
+    """Logits per chunk of `linear_cross_entropy_grads` for hidden states of `dtype` (chunk_size <= 0)."""
+    return GRADS_BUDGET.get(dtype, GRADS_BUDGET_HALF if dtype in (torch.bfloat16, torch.float16) else LOGIT_BUDGET)
+
+
 @torch.library.custom_op("kiln::linear_cross_entropy_grads", mutates_args=())
 def linear_cross_entropy_grads_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, reduction: str,
                                   chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, grad_hidden, grad_weight, scale) for reduction "mean" or "sum": the loss as
     `linear_cross_entropy`'s; grad_hidden (hidden's dtype, 0 at ignored tokens) and grad_weight (fp32 for
     half types) the gradients of the *sum* of the counted tokens' losses; scale (fp32, 0-dim) what turns
-    them into the loss's own (1 / counted tokens for "mean", 1 for "sum"). The backward multiplies both by
+    them into the loss's own (1 / counted tokens for "mean", 1 for "sum"). chunk_size <= 0 picks the chunk
+    from `grads_budget`. The backward multiplies both by
     scale times its incoming gradient, after the loss: a half-type gradient is never made smaller than the
     sum's, so it does not underflow before an fp16 loss scale reaches it."""
     _check(hidden, weight, labels, reduction)
@@ -235,7 +248,7 @@ def linear_cross_entropy_grads_op(hidden: Tensor, weight: Tensor, labels: Tensor
     k = hv.shape[0]
     lse = torch.empty(k, dtype=acc, device=hidden.device)
     target = torch.empty(k, dtype=acc, device=hidden.device)
-    step = chunk_rows(k, weight.shape[0], chunk_size)
+    step = chunk_rows(k, weight.shape[0], chunk_size, grads_budget(hidden.dtype))
     grads = _Grads(hv, weight, blocks=-(-k // step), acc_weight=True)
     for s in range(0, k, step):
         e = min(k, s + step)

@@ -12,7 +12,7 @@ import torch
 
 import kiln.kernels  # noqa: F401  (defines torch.ops.kiln.*)
 from kiln.kernels._common import acc_dtype
-from kiln.kernels.cross_entropy import LOGIT_BUDGET, chunk_rows
+from kiln.kernels.cross_entropy import LOGIT_BUDGET, chunk_rows, grads_budget
 from kiln.kernels.norms import dropout_scale
 from kiln.ops.common import arg, shape, sum_to
 from kiln.ops.registry import Cast, Kind, defop
@@ -154,7 +154,8 @@ def _lce_flops(n, factor: float = 2.0) -> float:
     return factor * _numel(hidden) * hint(shape(weight)[0])
 
 
-def _lce_temporaries(hidden, weight, chunk, grads: bool = True, weight_sum: bool = True) -> int:
+def _lce_temporaries(hidden, weight, chunk, grads: bool = True, weight_sum: bool = True,
+                     budget: int = LOGIT_BUDGET) -> int:
     """Bytes of the loss kernels' own temporaries (kiln/kernels/cross_entropy.py), at most: a chunk of fp32
     logits (or softmax - onehot) and its half-type copy, the gathered rows of the counted tokens and (if it
     computes `grads`) their grad_hidden rows, a half-type chunk's grad_weight product before it is added to
@@ -162,7 +163,7 @@ def _lce_temporaries(hidden, weight, chunk, grads: bool = True, weight_sum: bool
     tokens = int(_numel(hidden)) // hint(shape(hidden)[-1])
     vocab, width = hint(shape(weight)[0]), hint(shape(weight)[1])
     item, acc = hidden.meta.dtype.itemsize, acc_dtype(hidden.meta.dtype).itemsize
-    rows = chunk_rows(tokens, vocab, chunk if isinstance(chunk, int) else 0, LOGIT_BUDGET)
+    rows = chunk_rows(tokens, vocab, chunk if isinstance(chunk, int) else 0, budget)
     half = item != acc
     block = rows * vocab * (acc + (item if half else 0))
     weight = vocab * width * ((item if grads else 0) + (acc if weight_sum else 0)) if half else 0
@@ -192,7 +193,8 @@ def vjp_linear_cross_entropy_grads(b, n, g, *_unused):
 
 defop(kiln_ops.linear_cross_entropy_grads.default, vjp_linear_cross_entropy_grads, Kind.LOSS, LOW,
       cost=lambda n: _lce_flops(n, 6.0),   # the logits, grad_hidden and grad_weight
-      workspace=lambda n: _lce_temporaries(n.args[0], n.args[1], n.args[5], weight_sum=False))
+      workspace=lambda n: _lce_temporaries(n.args[0], n.args[1], n.args[5], weight_sum=False,
+                                           budget=grads_budget(n.args[0].meta.dtype)))
 _backward_op(kiln_ops.linear_cross_entropy_grads_backward.default, Kind.LOSS, FOLLOW)
 
 
