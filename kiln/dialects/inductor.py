@@ -471,9 +471,18 @@ def compile_graph(fx: torch.fx.GraphModule, metas: list[tuple]) -> str:
     every size (one ShapeEnv symbol per `z`), and the guards Inductor records (sizes its code needs, e.g. a row
     short enough for a vectorized reduction) are written into the source as `KILN_GUARDS`: the region runs
     its ATen ops for sizes they exclude."""
-    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner as inductor_compile
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    def compile_fx_inner(gm, example):
+        # Never through Inductor's own FX-graph cache: its key leaves out the vector ISA the code generator
+        # picks, which ATEN_CPU_CAPABILITY lowers, so a kernel generated for AVX2 (Makefile's second test pass)
+        # was served to AVX-512 runs and, built for AVX-512, wrote past its buffers (a heap corrupted, wrong
+        # values). Kiln's own cache is keyed by that ISA (`codegen_facts`).
+        with config.patch(fx_graph_cache=False, fx_graph_remote_cache=False):
+            return inductor_compile(gm, example)
     hints = [m[1] for m in metas if m[0] == "size"]
     if not hints:
         example = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in metas]

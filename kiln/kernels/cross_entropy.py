@@ -36,7 +36,7 @@ LOGIT_BUDGET = 1 << 24
 # (4M logits, 16 MiB); in bf16 fewer rows cost time (96, 107, 109, 113 ms) and they take 8M logits, half of
 # LOGIT_BUDGET, for a third of its temporaries at the bench models' batch 8 (its fp32 logits, their bf16
 # copy and the grad_weight product: 108 -> 60 MiB) for 11 % more time in the kernel.
-GRADS_BUDGET = {torch.float32: 1 << 22}
+GRADS_BUDGET = 1 << 22
 GRADS_BUDGET_HALF = 1 << 23
 MIN_ROWS = 128
 REDUCTIONS = ("mean", "sum", "none")
@@ -65,6 +65,15 @@ def _chunk_logits(h: Tensor, weight: Tensor, acc: torch.dtype) -> Tensor:
     """One chunk of logits in the accumulation dtype, in a buffer the caller may overwrite."""
     logits = torch.mm(h, weight.t())
     return logits if logits.dtype == acc else logits.to(acc)
+
+
+def _exp_stats(z: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A chunk of logits z, overwritten in place with exp(z - rowmax) (no second rows x vocab buffer): the
+    labels' logits, the rows' log-sum-exp, and the rows' sums of exp (a column)."""
+    target = z.gather(1, y).squeeze(1)
+    m = z.amax(1, keepdim=True)
+    total = z.sub_(m).exp_().sum(1, keepdim=True)
+    return target, total.log().add_(m).squeeze(1), total
 
 
 def _valid_rows(hidden: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor | None, Tensor, Tensor, int]:
@@ -168,10 +177,7 @@ def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor, igno
     for s in range(0, k, step):
         e = min(k, s + step)
         z = _chunk_logits(hv[s:e], weight, acc)
-        target[s:e] = z.gather(1, yv[s:e]).squeeze(1)
-        # log-sum-exp in place: no second (rows x vocab) buffer for exp()
-        m = z.amax(1, keepdim=True)
-        lse[s:e] = z.sub_(m).exp_().sum(1).log_().add_(m.squeeze(1))
+        target[s:e], lse[s:e], _ = _exp_stats(z, yv[s:e])
         del z
     loss = _reduce(lse - target, idx, labels, reduction)
     return loss, _at_rows(lse, idx, n).reshape(labels.shape)
@@ -227,7 +233,7 @@ linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
 # ---- the gradient in the forward: 3 matmuls and no logits kept ----------------------------------
 def grads_budget(dtype: torch.dtype) -> int:
     """Logits per chunk of `linear_cross_entropy_grads` for hidden states of `dtype` (chunk_size <= 0)."""
-    return GRADS_BUDGET.get(dtype, GRADS_BUDGET_HALF if dtype in (torch.bfloat16, torch.float16) else LOGIT_BUDGET)
+    return GRADS_BUDGET_HALF if dtype in (torch.bfloat16, torch.float16) else GRADS_BUDGET
 
 
 @torch.library.custom_op("kiln::linear_cross_entropy_grads", mutates_args=())
@@ -240,6 +246,9 @@ def linear_cross_entropy_grads_op(hidden: Tensor, weight: Tensor, labels: Tensor
     from `grads_budget`. The backward multiplies both by
     scale times its incoming gradient, after the loss: a half-type gradient is never made smaller than the
     sum's, so it does not underflow before an fp16 loss scale reaches it."""
+    impl = gpu_impl("linear_cross_entropy_grads", hidden)
+    if impl is not None:
+        return impl(hidden, weight, labels, ignore_index, reduction, chunk_size)
     _check(hidden, weight, labels, reduction)
     if reduction == "none":
         raise ValueError("linear_cross_entropy_grads needs a mean or a sum (one incoming gradient for all tokens)")
@@ -253,11 +262,8 @@ def linear_cross_entropy_grads_op(hidden: Tensor, weight: Tensor, labels: Tensor
     for s in range(0, k, step):
         e = min(k, s + step)
         z = _chunk_logits(hv[s:e], weight, acc)
-        target[s:e] = z.gather(1, yv[s:e]).squeeze(1)
-        m = z.amax(1, keepdim=True)
-        total = z.sub_(m).exp_().sum(1, keepdim=True)           # exp in place, then softmax in place
-        lse[s:e] = total.log().add_(m).squeeze(1)
-        p = z.div_(total)
+        target[s:e], lse[s:e], total = _exp_stats(z, yv[s:e])
+        p = z.div_(total)                                       # the softmax, in place
         p.scatter_add_(1, yv[s:e], p.new_full((e - s, 1), -1.0))
         grads.add(s, e, p)
         del z, p
@@ -280,6 +286,9 @@ def linear_cross_entropy_grads_backward_op(grad: Tensor, grad_hidden: Tensor, gr
                                            weight_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(grad_hidden, grad_weight) of the loss: the forward's gradients of the sum times scale * grad, the
     weight's in `weight_dtype`."""
+    impl = gpu_impl("linear_cross_entropy_grads_backward", grad_hidden)
+    if impl is not None:
+        return impl(grad, grad_hidden, grad_weight, scale, weight_dtype)
     g = grad * scale
     return grad_hidden * g.to(grad_hidden.dtype), (grad_weight * g).to(weight_dtype)
 

@@ -13,8 +13,10 @@ import sys
 import torch
 
 from kiln.errors import KilnError
+from kiln.ir.graph import Phase, Role
 from kiln.ops.functions import Call
-from kiln.ops.registry import lookup
+from kiln.ops.registry import Kind, lookup
+from kiln.passes.memory import aliases
 from kiln.runtime import heap
 
 
@@ -157,9 +159,6 @@ def cast_kinds(g) -> dict:
     buffer, or a view of one: once per step), "gradients" (a backward value that goes straight to the
     optimizer or a collective: a parameter's gradient back to its dtype) or "activations" (anything else,
     what issue 22 wants inside kernels)."""
-    from kiln.ir.graph import Phase, Role
-    from kiln.ops.registry import Kind
-    from kiln.passes.memory import aliases
     users = g.users()
     out = {}
     for n in g.nodes:
@@ -177,4 +176,3 @@ def cast_kinds(g) -> dict:
         else:
             out[n] = "activations"
     return out
-
