@@ -1,8 +1,9 @@
 """The compile cache can never corrupt or hijack a run, and background workers never outlive their owner.
 
 - A cache made under one vector ISA (AVX-512) and reused under another (`ATEN_CPU_CAPABILITY=avx2`), in
-  processes sharing one KILN_CACHE_DIR, trains exactly like eager torch.optim.AdamW (each machine has its
-  own folder; each kernel records the ISA it was generated for).
+  processes sharing one KILN_CACHE_DIR and one TORCHINDUCTOR_CACHE_DIR, trains exactly like eager
+  torch.optim.AdamW, static and dynamic programs alike (each machine has its own folder; each kernel records
+  the ISA it was generated for; Inductor's own FX-graph cache, keyed without the ISA, is never consulted).
 - Cached code is executed only if the cache's index records its sha256: a planted or tampered file never
   runs (it would write a marker).
 - The cache is used only if private (0700, ours, written by no one else); writes that fail leave no
@@ -61,7 +62,8 @@ Net, _loss, _data = _ns["Net"], _ns["loss"], _ns["data"]
 def _env(cache: Path, **extra) -> dict:
     drop = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "KILN_DIALECTS")
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(KILN_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT), KILN_KEEP="all", **extra)
+    env.update(KILN_CACHE_DIR=str(cache), TORCHINDUCTOR_CACHE_DIR=str(cache / "torchinductor"),
+               PYTHONPATH=str(ROOT), KILN_KEEP="all", **extra)
     return env
 
 
@@ -91,16 +93,21 @@ import kiln
 torch.set_num_threads(2)
 model = Net()
 ref = copy.deepcopy(model)
-args = data()
+x, y = data()
+# three steps of one size (a static program), then sizes that make the batch dimension dynamic: with
+# Inductor's FX-graph cache shared between ISAs, the dynamic kernel made under AVX2 corrupted the heap of
+# the AVX-512 run ("double free or corruption")
+batches = [(x, y)] * 3 + [(torch.cat([x] * 4)[:n], torch.cat([y] * 4)[:n]) for n in (11, 13, 29)]
 step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=loss, dialects=["inductor", "aten"],
                     tuning="ahead")
-for _ in range(3):
-    step(*args)
+for batch in batches:
+    step(*batch)
 kernels = sum(r.compiled is not None for r in step.last.regions)
+assert len(step.cache_info().programs) == 2, step.cache_info()
 opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-for _ in range(3):
+for batch in batches:
     opt.zero_grad()
-    loss(ref, *args).backward()
+    loss(ref, *batch).backward()
     opt.step()
 worst = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
 print(torch.backends.cpu.get_cpu_capability(), kernels, worst, flush=True)
