@@ -12,7 +12,7 @@ import torch
 
 import kiln.kernels  # noqa: F401  (defines torch.ops.kiln.*)
 from kiln.kernels._common import acc_dtype
-from kiln.kernels.cross_entropy import LOGIT_BUDGET, chunk_rows, grads_budget
+from kiln.kernels.cross_entropy import LOGIT_BUDGET, SOFTMAX_BLOCK, chunk_rows, grads_budget
 from kiln.kernels.norms import dropout_scale
 from kiln.ops.common import arg, shape, sum_to
 from kiln.ops.registry import Cast, Kind, defop
@@ -155,9 +155,10 @@ def _lce_flops(n, factor: float = 2.0) -> float:
 
 
 def _lce_temporaries(hidden, weight, chunk, grads: bool = True, weight_sum: bool = True,
-                     budget: int = LOGIT_BUDGET) -> int:
+                     budget: int = LOGIT_BUDGET, blocked: bool = False) -> int:
     """Bytes of the loss kernels' own temporaries (kiln/kernels/cross_entropy.py), at most: a chunk of fp32
-    logits (or softmax - onehot) and its half-type copy, the gathered rows of the counted tokens and (if it
+    logits (or softmax - onehot) and its half-type copy (`blocked`, the gradient kernel: a chunk of logits
+    in hidden's dtype and one fp32 block of its rows), the gathered rows of the counted tokens and (if it
     computes `grads`) their grad_hidden rows, a half-type chunk's grad_weight product before it is added to
     the fp32 sum, and that sum (`weight_sum`: when it is not an output)."""
     tokens = int(_numel(hidden)) // hint(shape(hidden)[-1])
@@ -165,7 +166,10 @@ def _lce_temporaries(hidden, weight, chunk, grads: bool = True, weight_sum: bool
     item, acc = hidden.meta.dtype.itemsize, acc_dtype(hidden.meta.dtype).itemsize
     rows = chunk_rows(tokens, vocab, chunk if isinstance(chunk, int) else 0, budget)
     half = item != acc
-    block = rows * vocab * (acc + (item if half else 0))
+    if blocked:
+        block = rows * vocab * item + (min(rows, max(1, SOFTMAX_BLOCK // vocab)) * vocab * acc if half else 0)
+    else:
+        block = rows * vocab * (acc + (item if half else 0))
     weight = vocab * width * ((item if grads else 0) + (acc if weight_sum else 0)) if half else 0
     return int(block + (2 if grads else 1) * tokens * width * item + weight)
 
@@ -194,7 +198,7 @@ def vjp_linear_cross_entropy_grads(b, n, g, *_unused):
 defop(kiln_ops.linear_cross_entropy_grads.default, vjp_linear_cross_entropy_grads, Kind.LOSS, LOW,
       cost=lambda n: _lce_flops(n, 6.0),   # the logits, grad_hidden and grad_weight
       workspace=lambda n: _lce_temporaries(n.args[0], n.args[1], n.args[5], weight_sum=False,
-                                           budget=grads_budget(n.args[0].meta.dtype)))
+                                           budget=grads_budget(n.args[0].meta.dtype), blocked=True))
 _backward_op(kiln_ops.linear_cross_entropy_grads_backward.default, Kind.LOSS, FOLLOW)
 
 
