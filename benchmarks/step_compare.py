@@ -1,7 +1,7 @@
 """Training-step time of eager PyTorch and Kiln, fp32 and bf16, side by side in one process.
 
     .venv/bin/python benchmarks/step_compare.py [--model llama|gpt2|bert] [--modes eager,kiln,eager-bf16,kiln-bf16]
-        [--layers 4 --hidden 512 --batch 8 --seq 256 --steps 12] [--settle 120]
+        [--layers 4 --hidden 512 --batch 8 --seq 256 --steps 12] [--settle 120] [--split 3]
 
 Every mode trains its own copy of the same model on the same batch; steps are interleaved (the mode
 order rotates every step) so machine noise hits all modes alike; the first --warmup steps of each
@@ -112,6 +112,9 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=0.0,
                    help="seconds Kiln modes may run untimed after their first step for their online tuning to finish "
                         "(0: time them while they tune, as a short run would)")
+    p.add_argument("--split", type=int, default=0, metavar="N",
+                   help="after the timed steps, profile N more steps of each mode and print where their time goes "
+                        "(matmul, attention, fused kernels, casts, optimizer, other: kiln/bench/split.py)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
 
@@ -162,6 +165,11 @@ def main() -> None:
             ratio = e["median_step_s"] / k["median_step_s"]
             result[f"speedup{dtype or '-fp32'}"] = ratio
             print(f"eager{dtype}/kiln{dtype} median step time: {ratio:.3f}x")
+    if args.split > 0:
+        from kiln.bench.split import profile_split, render
+        splits = {m: profile_split(lambda: modes[m]().item(), steps=args.split) for m in modes}
+        result["split"] = splits
+        print("\n" + render(splits))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -1,0 +1,111 @@
+"""Where a training step's time goes, by category, measured the same way for every mode (`kiln bench --split`).
+
+A few steps run under `torch.profiler` and each profiler event's *self* time (its time less its children's)
+goes to one category, so nothing is counted twice and the categories add up to the traced time:
+
+- matmul: ATen's matrix products (`mm`, `addmm`, `bmm`, `baddbmm`, oneDNN linear and convolution), wherever
+  they are called from: eager, torch.compile's extern kernels, Kiln's kernels (the fused loss's three
+  products count here, as the lm_head's do in the other modes);
+- attention: the fused attention ops (flash, efficient, math sdpa) and what they call;
+- fused: generated and hand-fused kernels: torch.compile's compiled regions (the time of its generated C++,
+  which the profiler sees as the region's own), Kiln's Inductor regions and the non-matmul work of Kiln's
+  kernels (`kiln::...` ops);
+- casts: stand-alone dtype conversions (`aten::_to_copy` outside a fused kernel);
+- optimizer: `torch.optim` steps and the fused optimizer kernels (`_fused_adamw_`, `_foreach_*`);
+- other: every other ATen op (elementwise and reductions left unfused, copies, embedding, losses);
+- untraced: the step's time outside any op: Python, dispatch, and kernels the profiler cannot see.
+
+Eager, torch.compile and Kiln steps are split by the same rules, so a category's ratio between two modes is
+the gap there. (`kiln.explain(step, profile=True)` splits Kiln's step by its own ops instead, timed one by one
+on a replay; the two agree on Kiln's matmul and attention time, and differ where a kernel mixes categories.)
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+CATEGORIES = ("matmul", "attention", "fused", "casts", "optimizer", "other", "untraced")
+STEP_EVENT = "kiln.bench.step"          # the record_function around each profiled step
+
+_MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation", "aten::addbmm",
+           "aten::mkldnn_convolution", "aten::_convolution", "aten::convolution_backward", "aten::mkldnn_linear",
+           "mkldnn::_linear_pointwise", "aten::_int_mm", "aten::mv", "aten::dot", "aten::addmv"}
+_ATTENTION = ("attention", "flash", "sdpa")
+_OPTIMIZER = ("Optimizer.", "aten::_fused_adam", "aten::_fused_sgd", "aten::_foreach_")
+_FUSED = ("kiln::", "kiln.region", "CompiledFunction", "Torch-Compiled Region", "## Call CompiledFxGraph",
+          "cpp_fused", "inductor")
+_CASTS = {"aten::_to_copy"}
+
+
+def category(name: str, ancestors: Iterable[str]) -> str:
+    """The category of an event's self time, from its name and its enclosing events' names (innermost first)."""
+    chain = [name, *ancestors]
+    if any(n.startswith(_OPTIMIZER) for n in chain):
+        return "optimizer"
+    if name in _MATMUL:
+        return "matmul"
+    if any(a in n.lower() for n in chain for a in _ATTENTION):
+        return "attention"
+    if name == STEP_EVENT:
+        return "untraced"
+    if any(n.startswith(_FUSED) or "cpp_fused" in n for n in chain):
+        return "fused"
+    if any(n in _CASTS for n in chain):
+        return "casts"
+    return "other"
+
+
+def split_events(events) -> dict[str, float]:
+    """Self seconds per category over profiler `events` (torch.autograd.profiler FunctionEvents), counting
+    only the events inside a STEP_EVENT (the step, not the profiler's own setup)."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for e in events:
+        names, parent = [], e.cpu_parent
+        while parent is not None:
+            names.append(parent.name)
+            parent = parent.cpu_parent
+        if e.name != STEP_EVENT and STEP_EVENT not in names:
+            continue
+        out[category(e.name, names)] += e.self_cpu_time_total / 1e6
+    return out
+
+
+def profile_split(step: Callable[[], object], steps: int = 3) -> dict:
+    """Run `step` (a zero-argument callable that finishes its work before returning) `steps` times under
+    torch.profiler; returns {"per_step_s": {category: seconds per step}, "traced_s": seconds per step the
+    categories add up to, "wall_s": the median step's wall-clock seconds}."""
+    import statistics
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if steps < 1:
+        raise ValueError(f"profile_split needs at least one step, got {steps}")
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            t = time.perf_counter()
+            with record_function(STEP_EVENT):
+                step()
+            walls.append(time.perf_counter() - t)
+    totals = split_events(prof.events())
+    per_step = {k: v / steps for k, v in totals.items()}
+    return {"per_step_s": per_step, "traced_s": sum(per_step.values()), "wall_s": statistics.median(walls),
+            "steps": steps}
+
+
+def render(results: dict[str, dict]) -> str:
+    """A table of milliseconds per step: categories down, modes across (`results`: mode -> profile_split's
+    dict, or None for a mode without one)."""
+    modes = [m for m, r in results.items() if r]
+    if not modes:
+        return ""
+    head = ["category", *modes]
+    rows = [[c] + [f"{results[m]['per_step_s'][c] * 1e3:.1f}" for m in modes] for c in CATEGORIES]
+    rows.append(["traced total"] + [f"{results[m]['traced_s'] * 1e3:.1f}" for m in modes])
+    rows.append(["wall (profiled)"] + [f"{results[m]['wall_s'] * 1e3:.1f}" for m in modes])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    lines = ["Where each step's time goes (ms per step, self time of torch.profiler events, kiln/bench/split.py):",
+             fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,64 @@
+"""kiln/bench/split.py: each profiler event's self time goes to one category; the categories add up to the
+time torch.profiler itself gives the profiled steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.bench.split import CATEGORIES, STEP_EVENT, category, profile_split, split_events
+
+
+@pytest.mark.parametrize("name,ancestors,want", [
+    ("aten::mm", [STEP_EVENT], "matmul"),
+    ("aten::mm", ["kiln::linear_cross_entropy_grads", STEP_EVENT], "matmul"),        # a kernel's products
+    ("aten::exp_", ["kiln::linear_cross_entropy_grads", STEP_EVENT], "fused"),       # the rest of the kernel
+    ("aten::copy_", ["aten::_to_copy", "kiln::rms_norm", STEP_EVENT], "fused"),      # a cast inside a kernel
+    ("aten::copy_", ["aten::_to_copy", STEP_EVENT], "casts"),
+    ("aten::_to_copy", [STEP_EVENT], "casts"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", [STEP_EVENT], "attention"),
+    ("aten::empty", ["aten::_scaled_dot_product_flash_attention_for_cpu_backward", STEP_EVENT], "attention"),
+    ("aten::_foreach_mul_", ["Optimizer.step#AdamW.step", STEP_EVENT], "optimizer"),
+    ("aten::_fused_adamw_", [STEP_EVENT], "optimizer"),
+    ("CompiledFunction", ["Torch-Compiled Region: 0/0", STEP_EVENT], "fused"),
+    ("kiln.region:region0_add_mul", [STEP_EVENT], "fused"),
+    ("aten::add", [STEP_EVENT], "other"),
+    (STEP_EVENT, [], "untraced"),
+])
+def test_each_event_has_one_category(name, ancestors, want):
+    assert category(name, ancestors) == want
+
+
+def test_an_eager_step_splits_into_categories_that_add_up_to_the_profilers_total():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32), torch.randint(0, 8, (16,))
+
+    def step():
+        opt.zero_grad()
+        q = model(x).reshape(16, 2, 1, 4).transpose(1, 2)
+        attn = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        loss = torch.nn.functional.cross_entropy(attn.reshape(16, 8).double().float(), y)
+        loss.backward()
+        opt.step()
+    step()
+    got = profile_split(step, steps=2)
+    assert set(got["per_step_s"]) == set(CATEGORIES)
+    for name in ("matmul", "attention", "casts", "optimizer", "other", "untraced"):
+        assert got["per_step_s"][name] > 0, (name, got)
+    assert got["per_step_s"]["fused"] == 0
+    assert got["traced_s"] <= got["wall_s"] * 1.5
+
+
+def test_the_split_counts_exactly_the_profiled_steps():
+    from torch.profiler import profile, record_function
+    a = torch.randn(64, 64)
+    with profile() as prof:
+        torch.mm(a, a)                                  # outside the step: not counted
+        with record_function(STEP_EVENT):
+            torch.mm(a, a).add_(1).to(torch.float64)
+    total = split_events(prof.events())
+    step = next(e for e in prof.events() if e.name == STEP_EVENT)
+    assert sum(total.values()) == pytest.approx(step.cpu_time_total / 1e6, rel=1e-6)
+    assert total["matmul"] == pytest.approx(
+        sum(e.self_cpu_time_total for e in prof.events() if e.name == "aten::mm" and e.cpu_parent is not None) / 1e6)
