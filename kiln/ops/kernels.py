@@ -137,8 +137,8 @@ def vjp_rope(b, n, g_q, g_k):
     return gq, gk, table(cos, False), table(sin, True)
 
 
-defop(kiln_ops.rope.default, vjp_rope, Kind.POINTWISE, FOLLOW)
-_backward_op(kiln_ops.rope_backward.default, Kind.POINTWISE, FOLLOW)
+defop(kiln_ops.rope.default, vjp_rope, Kind.POINTWISE, FOLLOW, promotes=True)   # bf16 q, k with fp32 tables
+_backward_op(kiln_ops.rope_backward.default, Kind.POINTWISE, FOLLOW, promotes=True)
 
 
 # ---- Linear + cross-entropy -------------------------------------------------------------------

@@ -41,12 +41,15 @@ def _real(rule):
 
 
 # ---- arithmetic -------------------------------------------------------------------------------
-defop(aten.add.Tensor, lambda b, n, g: (g, _scale(b, g, _alpha(n))), P)
+# Tensor-Tensor arithmetic promotes mixed dtypes in its kernel (TensorIterator): under amp, a bf16 matmul
+# output added to the fp32 residual stream is read as it is, not cast to fp32 first; the gradient of the
+# bf16 operand is cast back to bf16 by autodiff, as the cast's own rule did
+defop(aten.add.Tensor, lambda b, n, g: (g, _scale(b, g, _alpha(n))), P, promotes=True)
 defop(aten.add.Scalar, lambda b, n, g: (g, None), P)
-defop(aten.sub.Tensor, lambda b, n, g: (g, b(aten.mul.Tensor, g, -_alpha(n))), P)
+defop(aten.sub.Tensor, lambda b, n, g: (g, b(aten.mul.Tensor, g, -_alpha(n))), P, promotes=True)
 defop(aten.sub.Scalar, lambda b, n, g: (g, None), P)
 defop(aten.rsub.Scalar, lambda b, n, g: (b(aten.mul.Tensor, g, -_alpha(n)), None), P)
-defop(aten.rsub.Tensor, lambda b, n, g: (b(aten.mul.Tensor, g, -_alpha(n)), g), P)
+defop(aten.rsub.Tensor, lambda b, n, g: (b(aten.mul.Tensor, g, -_alpha(n)), g), P, promotes=True)
 
 
 def vjp_mul(b, n, g):
@@ -55,7 +58,7 @@ def vjp_mul(b, n, g):
     return gx, (real_part(b, _times_conj(b, g, x), y) if hasattr(y, "meta") else None)
 
 
-defop((aten.mul.Tensor, aten.mul.Scalar), vjp_mul, P)
+defop((aten.mul.Tensor, aten.mul.Scalar), vjp_mul, P, promotes=True)
 
 
 def vjp_div(b, n, g):

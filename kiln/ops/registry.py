@@ -68,6 +68,9 @@ class OpDef:
     # batch's sizes: the memory model counts them at the node (kiln/passes/memory.py)
     workspace: Callable[[Any], int] | None = None
     infer: Callable[..., list] | None = None     # shape inference for non-ATen ops (args, kwargs) -> metas
+    # its kernel reads mixed float dtypes and computes in the promoted one itself, as ATen's elementwise
+    # arithmetic does: amp inserts no widening cast before it (a separate pass over the narrower input)
+    promotes: bool = False
     doc: str = ""
 
     @property

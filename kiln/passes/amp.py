@@ -4,7 +4,8 @@ Each op's cast class comes from its OpDef (overridable per op name or module pat
 - LOWER  (matmul, linear, conv, attention): floating inputs are cast to the low dtype;
 - FP32   (softmax, losses, norms, exp/log/pow, reductions): low-precision inputs are cast to fp32;
 - FOLLOW (views, elementwise, activations): inputs of mixed float dtypes are promoted to the widest
-  (as ATen would), nothing else.
+  (as ATen would), nothing else; ops whose kernels promote by themselves (`OpDef.promotes`: ATen's
+  Tensor-Tensor arithmetic, the rope kernel) read them as they are.
 Every value is cast at most once per dtype (so each parameter is cast to bf16 once per step and the
 backward reuses that copy), and a cast of a cast goes back to the source instead of chaining.
 Because autodiff runs afterwards on the mixed graph, each gradient is computed in the dtype of its
@@ -95,6 +96,8 @@ def autocast(graph: Graph, policy: AmpPolicy) -> int:
             want = {v: low for v in floats if v.meta.dtype == torch.float32}
         elif cls is Cast.FP32:
             want = {v: torch.float32 for v in floats if v.meta.dtype in (torch.bfloat16, torch.float16)}
+        elif n.op.promotes:
+            want = {}                  # the kernel promotes mixed inputs itself: no pass over the narrower one
         else:
             want = _promotion(floats)
         if want:

@@ -43,20 +43,29 @@ def test_cast_placement_bf16():
     torch.testing.assert_close(run(g, *tensors), want)
 
 
-def test_no_cast_chains_or_duplicates():
+def test_no_cast_chains_or_duplicates_and_no_cast_before_an_op_that_promotes():
     x = torch.randn(4, 8)
     g, b, (xv,) = graph_with_inputs(x)
     w = g.add_input("w", TensorMeta.of(torch.randn(8, 8)), Role.PARAM, "w")
     y = b(aten.linear.default, xv, w)                   # x -> bf16
     z = b(aten._softmax.default, xv, -1, False)         # x stays fp32 (no bf16 -> fp32 chain)
     y2 = b(aten.linear.default, xv, w)                  # reuses the casts of x and w
-    g.outputs = [b(aten.sum.default, b(aten.add.Tensor, b(aten.add.Tensor, y, y2), z))]
+    cond = b(aten.gt.Scalar, z, 0.0)
+    # where does not promote by itself: the bf16 sum y + y2 goes up to fp32 to meet z; add does (it reads
+    # the bf16 sum as it is)
+    picked = b(aten.where.self, cond, b(aten.add.Tensor, y, y2), z)
+    total = b(aten.add.Tensor, b(aten.add.Tensor, y, y2), z)
+    g.outputs = [b(aten.sum.default, b(aten.add.Tensor, picked, total))]
     autocast(g, AmpPolicy(torch.bfloat16))
     casts = [n for n in g.nodes if n.target is aten._to_copy.default]
-    # x and w to bf16 once each, and the bf16 sum y + y2 up to fp32 to meet z (promotion)
+    # x and w to bf16 once each, and one bf16 sum up to fp32 for where
     assert len(casts) == 3
     assert [n.args[0].name for n in casts[:2]] == [xv.name, "w"]
     assert casts[2].args[0].producer.target is aten.add.Tensor and casts[2].outputs[0].meta.dtype == torch.float32
+    assert [u.target for u in g.users()[casts[2].outputs[0]]] == [aten.where.self]
+    mixed = [n for n in g.nodes if n.target is aten.add.Tensor and n.args[1] is z]
+    assert len(mixed) == 1 and mixed[0].args[0].meta.dtype == torch.bfloat16
+    assert mixed[0].outputs[0].meta.dtype == torch.float32
     softmax = next(n for n in g.nodes if n.target is aten._softmax.default)
     assert softmax.args[0] is xv
 
