@@ -35,6 +35,9 @@ def register(sub) -> None:
     e.add_argument("--source", action="store_true", help="print the generated Python step instead")
     e.add_argument("--profile", action="store_true", help="also time every op (the batch replayed on copies of "
                    "the weights) and print the split between matmul, attention, fused ops, casts and optimizer")
+    e.add_argument("--vs", choices=["compile", "eager"], help="with --profile: also profile the same model trained "
+                   "by torch.compile (or eager PyTorch) with torch.optim.AdamW, under autocast for --amp, and print "
+                   "where each step's time goes, category by category, beside Kiln's (kiln/bench/split.py)")
     e.add_argument("--memory", action="store_true", help="print the step's memory instead: the predicted peak, "
                    "where it is, what is live there, what a budget made Kiln recompute, checked against the "
                    "allocator on a replay")
@@ -76,6 +79,9 @@ def run_explain(args) -> int:
     budget = args.memory_budget
     if budget is not None and re.fullmatch(r"0?\.\d+|1\.0*", budget):
         budget = float(budget)
+    if args.vs and not args.profile:
+        raise SystemExit("kiln explain: --vs compares profiles: give --profile too")
+    peer_model = copy.deepcopy(model) if args.vs else None
     try:
         step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=args.lr), amp=args.amp, dialects=dialects,
                             memory_budget=budget)
@@ -90,7 +96,32 @@ def run_explain(args) -> int:
         print(step.memory(measure=allocated() is not None))
     else:
         kiln.explain(step, profile=args.profile)
+    if args.vs:
+        _compare(step, peer_model, args, dict(input_ids=ids, labels=ids))
     return 0
+
+
+def _compare(step, peer_model, args, batch, settle: float = 60.0, warmup: int = 3) -> None:
+    """Kiln's step and the peer's (`--vs`), each warmed up (Kiln's online tuning settled, torch.compile
+    compiled), then profiled the same way: where each spends a step's time."""
+    import sys
+
+    from kiln.bench.split import gaps, peer_step, profile_split, render
+    label = "torch.compile" if args.vs == "compile" else "eager"
+    print(f"\nprofiling {label} beside Kiln" + (" (torch.compile compiles first: tens of seconds)"
+                                                 if args.vs == "compile" else ""), file=sys.stderr, flush=True)
+    peer = peer_step(peer_model, args.vs, batch, amp=args.amp, lr=args.lr)
+    for _ in range(warmup):
+        peer()
+    kiln_step = lambda: float(step(**batch))     # noqa: E731
+    deadline = time.perf_counter() + settle
+    for _ in range(warmup):
+        kiln_step()
+    while step.pending_tuning() and time.perf_counter() < deadline:
+        kiln_step()
+    results = {"kiln": profile_split(kiln_step), label: profile_split(peer)}
+    print("\n" + render(results))
+    print(gaps(results, "kiln", label))
 
 
 def run(args) -> int:

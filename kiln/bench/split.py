@@ -94,6 +94,39 @@ def profile_split(step: Callable[[], object], steps: int = 3) -> dict:
             "steps": steps}
 
 
+def peer_step(model, kind: str, batch: dict, amp: str | None = None, lr: float = 1e-3,
+              weight_decay: float = 0.01) -> Callable[[], object]:
+    """A zero-argument training step of `model` on `batch` the way people train without Kiln: "eager" or
+    "compile" (torch.compile(model)), under torch.autocast for `amp` ("bf16"/"fp16"), with
+    torch.optim.AdamW; it returns the loss as a float (so the step has finished)."""
+    import contextlib
+
+    import torch
+
+    if kind not in ("eager", "compile"):
+        raise ValueError(f"peer must be 'eager' or 'compile', got {kind!r}")
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[amp]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    forward = torch.compile(model) if kind == "compile" else model
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=low) if low is not None else contextlib.nullcontext():
+            loss = forward(**batch).loss
+        loss.backward()
+        opt.step()
+        return float(loss)
+    return step
+
+
+def gaps(results: dict[str, dict], base: str, other: str) -> str:
+    """One line: per category, how many ms a step `base` spends more (+) or less (-) than `other`."""
+    a, b = results[base]["per_step_s"], results[other]["per_step_s"]
+    parts = [f"{c} {(a[c] - b[c]) * 1e3:+.1f}" for c in CATEGORIES if abs(a[c] - b[c]) >= 5e-4]
+    total = (results[base]["wall_s"] - results[other]["wall_s"]) * 1e3
+    return f"{base} against {other}, ms a step: " + ", ".join(parts) + f" (wall {total:+.1f})"
+
+
 def render(results: dict[str, dict]) -> str:
     """A table of milliseconds per step: categories down, modes across (`results`: mode -> profile_split's
     dict, or None for a mode without one)."""

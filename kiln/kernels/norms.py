@@ -87,9 +87,10 @@ def rms_norm_backward_op(grad_out: Optional[Tensor], grad_sum: Optional[Tensor],
     # grad_weight = sum over rows of g * s * rstd: one N-sized product, then a matrix-vector product
     prod = gf * sf
     grad_weight = prod.reshape(-1, d).t().mv(rstd.reshape(-1)).to(weight.dtype)
+    # dot_i = sum_j g_ij weight_j s_ij, from the same product: a second matrix-vector product, no N-sized
+    # temporary (a batched (1 x d) @ (d x 1) bmm per row took 1.2 ms at 2048 x 512 where this takes 0.1)
+    dot = prod.reshape(-1, d).mv(weight.to(acc).reshape(-1)).reshape(_stat_shape(input))
     gw = torch.mul(gf, weight, out=prod)             # reuse the buffer: g * weight = dL/d(normalized)
-    # dot_i = sum_j gw_ij s_ij as a batched (1 x d) @ (d x 1) product: no N-sized temporary
-    dot = torch.bmm(gw.reshape(-1, 1, d), sf.reshape(-1, d, 1)).reshape(_stat_shape(input))
     # grad_s = rstd * (gw - s * rstd^2 * dot / d)
     coef = dot.mul_(rstd.square()).div_(d)
     grad = gw.addcmul_(sf, coef, value=-1).mul_(rstd)
