@@ -128,7 +128,7 @@ def main() -> None:
     modes = {name: make_mode(name, copy.deepcopy(base), ids) for name in names}
     del base
     times = {m: [] for m in modes}
-    first, losses = {}, {}
+    first, losses, ahead = {}, {}, {}
     for i in range(args.warmup + args.steps):
         order = names[i % len(names):] + names[:i % len(names)]
         for m in order:
@@ -145,7 +145,10 @@ def main() -> None:
             for m, fn in modes.items():
                 while hasattr(fn, "step") and fn.step.pending_tuning() and time.perf_counter() < deadline:
                     fn()
-            print(f"kiln tuning settled after {args.settle - (deadline - time.perf_counter()):.0f} s", flush=True)
+                    ahead[m] = ahead.get(m, 0) + 1
+            print(f"kiln tuning settled after {args.settle - (deadline - time.perf_counter()):.0f} s" +
+                  "".join(f"; {m} trained {k} more steps meanwhile (its losses are that far ahead)"
+                          for m, k in ahead.items()), flush=True)
 
     tokens = args.batch * args.seq
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
@@ -156,7 +159,7 @@ def main() -> None:
     for m in modes:
         q1, med, q3 = quartiles(times[m])
         result["modes"][m] = {"first_step_s": first[m], "median_step_s": med, "q1_s": q1, "q3_s": q3,
-                              "tokens_per_s": tokens / med, "final_loss": losses[m]}
+                              "tokens_per_s": tokens / med, "final_loss": losses[m], "steps_ahead": ahead.get(m, 0)}
         print(f"{m:<18} {first[m]:>12.2f} {med * 1e3:>10.1f} {q1 * 1e3:>6.1f}-{q3 * 1e3:<7.1f} {tokens / med:>9.0f} "
               f"{losses[m]:>10.4f}")
     for dtype in ("", "-bf16"):
