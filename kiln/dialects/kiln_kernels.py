@@ -128,8 +128,20 @@ LOGITS_BYTES_TO_FUSE = 4 * 2 ** 20
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 VIEW = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 LINEAR_CE = Op(aten.nll_loss_forward.default, Op(aten._log_softmax.default, Opt(VIEW, Opt(CAST, Op(
-    aten.linear.default, T("h"), T("w"), Lit(None), name="logits"))), Lit(lambda d: d in (1, -1)), Lit(False)),
+    aten.linear.default, T("h"), T("w"), V("bias", where=lambda x: x is None or isinstance(x, Value)),
+    name="logits"))), Lit(lambda d: d in (1, -1)), Lit(False)),
     Opt(VIEW, T("labels")), Lit(None), V("reduction"), V("ignore_index"))
+
+
+def _with_bias(b, hidden: Value, w: Value, bias: Value) -> tuple[Value, Value]:
+    """A decoder with a bias (BERT's MLM head) as one product without it: h @ w.T + bias = [h, 1, ..] @
+    [w, bias, 0, ..].T, the extra columns padding the width to a multiple of 16 (AMX and AVX-512 tiles).
+    Autodiff takes grad_w and grad_bias from the weight's columns."""
+    width = shape(w)[-1]
+    pad = 16 - width % 16
+    ones = b(aten.constant_pad_nd.default, hidden, [0, pad], 1.0)
+    column = b(aten.constant_pad_nd.default, b(aten.unsqueeze.default, bias, 1), [0, pad - 1], 0.0)
+    return ones, b(aten.cat.default, [w, column], 1)
 
 
 def build_linear_cross_entropy(b, matches):
@@ -145,7 +157,12 @@ def build_linear_cross_entropy(b, matches):
     counted = same(labels.meta.numel, tokens) or hint(labels.meta.numel) == hint(tokens)
     if size < LOGITS_BYTES_TO_FUSE or not counted:
         return None
+    bias = m["bias"]
+    if bias is not None and (len(shape(bias)) != 1 or bias.meta.dtype != w.meta.dtype or not same(shape(bias)[0], shape(w)[0])):
+        return None
     hidden = reshape(b, h, [tokens, shape(h)[-1]])
+    if bias is not None:
+        hidden, w = _with_bias(b, hidden, w, bias)
     args = (hidden, w, reshape(b, labels, [tokens]), m["ignore_index"], REDUCTIONS[m["reduction"]])
     loss, *_grads = b(kiln_ops.linear_cross_entropy_grads.default, *args, 0)
     if loss.meta.dtype != m.root.outputs[0].meta.dtype:

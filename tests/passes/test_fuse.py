@@ -285,6 +285,43 @@ def test_vocabulary_projection_fuses_with_the_loss(monkeypatch):
     assert aten._log_softmax.default not in targets
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_decoder_with_a_bias_fuses_with_the_loss_and_trains_like_eager(monkeypatch, dynamic):
+    """BERT's masked-LM head (a decoder with a bias, 85 % of labels ignored): one fused loss, its bias
+    carried as an extra weight column; loss and every parameter equal to eager, over sequence lengths that
+    change (one dynamic program) too."""
+    import transformers
+    from kiln.dialects import kiln_kernels
+    monkeypatch.setattr(kiln_kernels, "LOGITS_BYTES_TO_FUSE", 0)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=96, hidden_size=40, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    model = transformers.BertForMaskedLM(config)
+    with torch.no_grad():
+        model.cls.predictions.bias.normal_()                # a bias that matters
+    ref = copy.deepcopy(model)
+    # SGD: its update is proportional to the gradient, so this checks gradients (AdamW's first steps are
+    # sign(grad) * lr, which turns float-order differences at near-zero gradients into 1e-5 ones)
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.1, momentum=0.9), dynamic=dynamic)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    for length in ((12, 12, 12) if not dynamic else (12, 7, 15)):
+        ids = torch.randint(0, 96, (3, length), generator=g)
+        labels = ids.masked_fill(torch.rand(3, length, generator=g) > 0.15, -100)
+        labels[0, 0] = ids[0, 0]                            # at least one counted token
+        got = step(input_ids=ids, labels=labels)
+        opt.zero_grad()
+        want = ref(input_ids=ids, labels=labels).loss
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5, msg=name)
+    assert sum(n.target is kiln_ops.linear_cross_entropy_grads.default for n in step.graph.nodes) == 1
+    assert aten._log_softmax.default not in [n.target for n in step.graph.nodes]
+
+
 def test_fused_loss_with_dynamic_lengths_and_padding_trains_like_eager(monkeypatch):
     """One dynamic program over batches of other lengths, each padded differently (labels and input_ids
     are separate inputs, so their sizes are separate symbols): still one fused loss, equal to eager."""
