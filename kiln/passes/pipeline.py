@@ -173,7 +173,7 @@ def _state_meta(p: Value, slot: str):
 def _remat(ctx: Context) -> int:
     if ctx.memory_budget is None:       # no budget: nothing to decide (step.memory() profiles the program)
         return 0
-    ctx.memory = rematerialize(ctx.graph, ctx.memory_budget, ctx.heap_outside)
+    ctx.memory = rematerialize(ctx.graph, ctx.memory_budget, ctx.heap_outside, amp=ctx.amp is not None)
     return len(ctx.memory.chosen)
 
 

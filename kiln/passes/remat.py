@@ -237,8 +237,9 @@ def apply(graph: Graph, chosen: list[Recompute]) -> int:
     return added
 
 
-def rematerialize(graph: Graph, budget: int | float | None, outside: int = 0) -> Plan:
-    """`plan` and `apply`; a budget the plan cannot meet raises, naming the smallest peak reachable."""
+def rematerialize(graph: Graph, budget: int | float | None, outside: int = 0, amp: bool = False) -> Plan:
+    """`plan` and `apply`; a budget the plan cannot meet raises, naming the smallest peak reachable (and,
+    without `amp` on, suggesting it)."""
     result = plan(graph, budget, outside)
     if result.budget is not None and result.after > result.step_budget:
         held = (f"; the process holds {_size(result.outside)} besides (torch, the model's Python side, other "
@@ -248,7 +249,7 @@ def rematerialize(graph: Graph, budget: int | float | None, outside: int = 0) ->
             f"memory_budget of {_size(result.budget)} cannot be met: the smallest predicted peak Kiln reaches for "
             f"this batch is {_size(result.floor)} ({_size(result.persistent)} of it parameters, optimizer state, "
             f"buffers and the batch; {_size(result.before)} without rematerialization){held}. Give a larger "
-            "budget, a smaller batch, or amp='bf16'")
+            "budget" + (" or a smaller batch" if amp else ", a smaller batch, or amp='bf16'"))
     if result.chosen:
         apply(graph, result.chosen)
     return result

@@ -92,8 +92,13 @@ def test_a_budget_recomputes_activations_holds_measured_and_trains_like_eager(p)
 
 def test_a_budget_that_cannot_be_met_says_the_smallest_peak():
     step = kiln.compile(Deep(), optimizer=_sgd(), memory_budget="1MiB")
-    with pytest.raises(kiln.KilnError, match="smallest predicted peak"):
+    with pytest.raises(kiln.KilnError, match="smallest predicted peak") as fp32:
         step(torch.randn(512, 64))
+    assert "amp='bf16'" in str(fp32.value)
+    step = kiln.compile(Deep(), optimizer=_sgd(), memory_budget="1MiB", amp="bf16")
+    with pytest.raises(kiln.KilnError, match="smallest predicted peak") as bf16:
+        step(torch.randn(512, 64))
+    assert "amp=" not in str(bf16.value)          # it is on already: not a way out
 
 
 def test_a_fraction_is_of_the_unconstrained_peak():
