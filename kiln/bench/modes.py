@@ -49,7 +49,10 @@ MODES: dict[str, Mode] = {m.name: m for m in (
 )}
 
 
-def _torch_step(model: torch.nn.Module, compiled: bool, bf16: bool, memory_budget=None) -> Step:
+def torch_step(model: torch.nn.Module, compiled: bool, low: torch.dtype | None, memory_budget=None,
+               lr: float = LR) -> Step:
+    """Eager PyTorch, or torch.compile(model), under torch.autocast to `low` (None: fp32), with
+    torch.optim.AdamW(lr, WEIGHT_DECAY)."""
     if memory_budget is not None:
         if not compiled:
             raise Unavailable("eager PyTorch has no memory budget")
@@ -57,13 +60,13 @@ def _torch_step(model: torch.nn.Module, compiled: bool, bf16: bool, memory_budge
             raise Unavailable("torch.compile's activation_memory_budget is a fraction: give --memory-budget as one")
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = memory_budget
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
     # Only the model is compiled: that is how torch.compile is normally used for
     # training, and it keeps the optimizer identical to the eager modes.
     forward = torch.compile(model) if compiled else model
 
     def autocast():
-        return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=low) if low is not None else contextlib.nullcontext()
 
     def step(**batch: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
@@ -115,7 +118,8 @@ def make_step(mode: str, model: torch.nn.Module, memory_budget=None) -> Step:
     bf16 = MODES[mode].dtype == "bf16"
     if mode.startswith("kiln"):
         return _kiln_step(model, bf16, memory_budget)
-    return _torch_step(model, compiled=mode.startswith("compile"), bf16=bf16, memory_budget=memory_budget)
+    return torch_step(model, compiled=mode.startswith("compile"), low=torch.bfloat16 if bf16 else None,
+                      memory_budget=memory_budget)
 
 
 def parse_modes(text: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""Where a training step's time goes, by category, measured the same way for every mode (`kiln bench --split`).
+"""Where a training step's time goes, by category, measured the same way for every mode
+(`kiln explain --profile --vs compile`, `benchmarks/step_compare.py --split N`).
 
 A few steps run under `torch.profiler` and each profiler event's *self* time (its time less its children's)
 goes to one category, so nothing is counted twice and the categories add up to the traced time:
@@ -94,29 +95,19 @@ def profile_split(step: Callable[[], object], steps: int = 3) -> dict:
             "steps": steps}
 
 
-def peer_step(model, kind: str, batch: dict, amp: str | None = None, lr: float = 1e-3,
-              weight_decay: float = 0.01) -> Callable[[], object]:
+def peer_step(model, kind: str, batch: dict, amp: str | None = None, lr: float = 1e-3) -> Callable[[], object]:
     """A zero-argument training step of `model` on `batch` the way people train without Kiln: "eager" or
-    "compile" (torch.compile(model)), under torch.autocast for `amp` ("bf16"/"fp16"), with
-    torch.optim.AdamW; it returns the loss as a float (so the step has finished)."""
-    import contextlib
-
+    "compile", under torch.autocast for `amp` ("bf16"/"fp16"), with torch.optim.AdamW (`kiln bench`'s
+    modes); it returns the loss as a float (so the step has finished)."""
     import torch
+
+    from kiln.bench.modes import torch_step
 
     if kind not in ("eager", "compile"):
         raise ValueError(f"peer must be 'eager' or 'compile', got {kind!r}")
     low = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[amp]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    forward = torch.compile(model) if kind == "compile" else model
-
-    def step() -> float:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=low) if low is not None else contextlib.nullcontext():
-            loss = forward(**batch).loss
-        loss.backward()
-        opt.step()
-        return float(loss)
-    return step
+    step = torch_step(model, compiled=kind == "compile", low=low, lr=lr)
+    return lambda: float(step(**batch))
 
 
 def gaps(results: dict[str, dict], base: str, other: str) -> str:

@@ -139,9 +139,9 @@ def _with_bias(b, hidden: Value, w: Value, bias: Value) -> tuple[Value, Value]:
     Autodiff takes grad_w and grad_bias from the weight's columns."""
     width = shape(w)[-1]
     pad = 16 - width % 16
-    ones = b(aten.constant_pad_nd.default, hidden, [0, pad], 1.0)
+    padded = b(aten.constant_pad_nd.default, hidden, [0, pad], 1.0)
     column = b(aten.constant_pad_nd.default, b(aten.unsqueeze.default, bias, 1), [0, pad - 1], 0.0)
-    return ones, b(aten.cat.default, [w, column], 1)
+    return padded, b(aten.cat.default, [w, column], 1)
 
 
 def build_linear_cross_entropy(b, matches):

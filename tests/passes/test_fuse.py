@@ -237,21 +237,37 @@ def _llama(vocab=128):
     return transformers.LlamaForCausalLM(cfg), torch.randint(0, vocab, (2, 12))
 
 
-def _train_both(model, ids, steps=3, labels=None, **compile_kw):
-    labels = ids if labels is None else labels
+def _adamw():
+    return kiln.optim.AdamW(lr=1e-3), lambda params: torch.optim.AdamW(params, lr=1e-3)
+
+
+def _sgd():
+    # SGD: its update is proportional to the gradient, so training checks gradients (AdamW's first steps are
+    # sign(grad) * lr, which turns float-order differences at near-zero gradients into 1e-5 ones)
+    return kiln.optim.SGD(lr=0.1, momentum=0.9), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _train_like_eager(model, batches, optimizers=_adamw, **compile_kw):
+    """Kiln and eager PyTorch train copies of `model` on `batches`: equal losses, then equal parameters."""
     ref = copy.deepcopy(model)
-    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), **compile_kw)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for _ in range(steps):
-        got = step(input_ids=ids, labels=labels)
+    mine, theirs = optimizers()
+    step = kiln.compile(model, optimizer=mine, **compile_kw)
+    opt = theirs(ref.parameters())
+    for batch in batches:
+        got = step(**batch)
         opt.zero_grad()
-        want = ref(input_ids=ids, labels=labels).loss
+        want = ref(**batch).loss
         want.backward()
         opt.step()
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5, msg=name)
     return step
+
+
+def _train_both(model, ids, steps=3, labels=None, **compile_kw):
+    labels = ids if labels is None else labels
+    return _train_like_eager(model, [dict(input_ids=ids, labels=labels)] * steps, **compile_kw)
 
 
 def test_llama_fuses_norms_rope_and_swiglu_and_trains_like_eager():
@@ -300,24 +316,14 @@ def test_a_decoder_with_a_bias_fuses_with_the_loss_and_trains_like_eager(monkeyp
     model = transformers.BertForMaskedLM(config)
     with torch.no_grad():
         model.cls.predictions.bias.normal_()                # a bias that matters
-    ref = copy.deepcopy(model)
-    # SGD: its update is proportional to the gradient, so this checks gradients (AdamW's first steps are
-    # sign(grad) * lr, which turns float-order differences at near-zero gradients into 1e-5 ones)
-    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.1, momentum=0.9), dynamic=dynamic)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(0)
+    batches = []
     for length in ((12, 12, 12) if not dynamic else (12, 7, 15)):
         ids = torch.randint(0, 96, (3, length), generator=g)
         labels = ids.masked_fill(torch.rand(3, length, generator=g) > 0.15, -100)
         labels[0, 0] = ids[0, 0]                            # at least one counted token
-        got = step(input_ids=ids, labels=labels)
-        opt.zero_grad()
-        want = ref(input_ids=ids, labels=labels).loss
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
-    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5, msg=name)
+        batches.append(dict(input_ids=ids, labels=labels))
+    step = _train_like_eager(model, batches, _sgd, dynamic=dynamic)
     assert sum(n.target is kiln_ops.linear_cross_entropy_grads.default for n in step.graph.nodes) == 1
     assert aten._log_softmax.default not in [n.target for n in step.graph.nodes]
 
@@ -328,22 +334,13 @@ def test_fused_loss_with_dynamic_lengths_and_padding_trains_like_eager(monkeypat
     from kiln.dialects import kiln_kernels
     monkeypatch.setattr(kiln_kernels, "LOGITS_BYTES_TO_FUSE", 0)
     model, _ = _llama()
-    ref = copy.deepcopy(model)
-    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), dynamic=True)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
+    batches = []
     for length in (12, 7, 15, 9):
         ids = torch.randint(0, 128, (3, length), generator=g)
         mask = torch.arange(length)[None] < torch.randint(2, length + 1, (3, 1), generator=g)
-        labels = ids.masked_fill(~mask, -100)
-        got = step(input_ids=ids, attention_mask=mask.long(), labels=labels)
-        opt.zero_grad()
-        want = ref(input_ids=ids, attention_mask=mask.long(), labels=labels).loss
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
-    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5, msg=name)
+        batches.append(dict(input_ids=ids, attention_mask=mask.long(), labels=ids.masked_fill(~mask, -100)))
+    step = _train_like_eager(model, batches, dynamic=True)
     assert step.cache_info().compiles == 1
     assert sum(n.target is kiln_ops.linear_cross_entropy_grads.default for n in step.graph.nodes) == 1
 
