@@ -2,6 +2,7 @@
 
     python benchmarks/coverage.py [--json F] [--markdown docs/model-coverage.md] [--jobs N] [--timeout S]
                                   [--only llama,gpt2] [--every K --offset J] [--resume F] [--dialects -inductor]
+                                  [--amp bf16]
 
 Every entry of transformers' auto mappings (causal LM, masked LM, seq2seq, sequence / image / audio
 classification, CTC, speech seq2seq, image-text-to-text) is built from its shrunk default config and
@@ -25,15 +26,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def worker(key: str, result_path: str, threads: int) -> None:
+def worker(key: str, result_path: str, threads: int, amp: str | None = None) -> None:
     import warnings
     warnings.filterwarnings("ignore")
     import torch
     torch.set_num_threads(threads)
     from kiln.bench.coverage import result_dict, run_entry
+    from kiln.bench.coverage_amp import run_entry_amp
     from kiln.bench.coverage_configs import entries
     entry = next(e for e in entries() if e.key == key)
-    r = run_entry(entry)
+    r = run_entry_amp(entry, amp=amp) if amp else run_entry(entry)
     with open(result_path + ".tmp", "w") as f:
         json.dump(result_dict(r), f)
     os.replace(result_path + ".tmp", result_path)
@@ -67,7 +69,8 @@ def sweep(todo, args, done: dict, write) -> None:
             base = os.path.join(tmp, entry.key.replace("/", "__"))
             with open(base + ".log", "w") as log:
                 proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", entry.key, "--result",
-                                         base + ".json", "--threads", str(args.threads)], cwd=ROOT, env=env,
+                                         base + ".json", "--threads", str(args.threads)] +
+                                        (["--amp", args.amp] if args.amp else []), cwd=ROOT, env=env,
                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             running[entry.key] = (entry, proc, time.monotonic(), base)
         time.sleep(0.2)
@@ -92,7 +95,7 @@ def sweep(todo, args, done: dict, write) -> None:
             note = res.get("why", "")
             err = res.get("grad_rel_err")
             print(f"[{len(done)}/{n}] {key}: {res['outcome']}" + (f" (grad err {err:.1e})" if err is not None else "") +
-                  f", {res.get('seconds', 0):.1f} s" + (f": {note[:160]}" if note and res["outcome"] != "exact" else ""),
+                  f", {res.get('seconds', 0):.1f} s" + (f": {note[:160]}" if note and res["outcome"] not in ("exact", "close") else ""),
                   file=sys.stderr, flush=True)
 
 
@@ -110,12 +113,15 @@ def main(argv=None) -> int:
     p.add_argument("--resume", help="results JSON of an earlier run: keep its entries, run the rest, write back")
     p.add_argument("--dialects", default="-inductor", help="KILN_DIALECTS for Kiln (default '-inductor': the "
                                                           "shipped set without Inductor regions)")
+    p.add_argument("--amp", choices=["bf16", "fp16"], help="judge Kiln's mixed-precision step instead: its first "
+                   "gradients against float64 eager, as close as torch.autocast's (kiln/bench/coverage_amp.py); "
+                   "the full sweep's report goes to docs/model-coverage-<amp>.md")
     p.add_argument("--list", action="store_true", help="print the entries and exit")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.result, args.threads)
+        worker(args.worker, args.result, args.threads, args.amp)
         return 0
 
     from kiln.bench.coverage import render_markdown, result_from_dict
@@ -137,8 +143,8 @@ def main(argv=None) -> int:
     selected = {e.key for e in todo}
     done = {k: d for k, d in done.items() if k in selected}     # the report covers this selection only
     todo = [e for e in todo if e.key not in done]
-    markdown = args.markdown or (os.path.join(ROOT, "docs", "model-coverage.md")
-                                 if not args.only and args.every == 1 else None)
+    default_md = f"model-coverage-{args.amp}.md" if args.amp else "model-coverage.md"
+    markdown = args.markdown or (os.path.join(ROOT, "docs", default_md) if not args.only and args.every == 1 else None)
     sample = f"every {args.every}th entry from offset {args.offset}" if args.every > 1 else "all entries"
     notes = (f"Sample: {sample}{' of ' + args.only if args.only else ''}; KILN_DIALECTS={args.dialects}; "
              f"{args.timeout:.0f} s per entry.")
@@ -154,8 +160,13 @@ def main(argv=None) -> int:
     sweep(todo, args, done, write)
     write()
     if markdown:
+        extra = {}
+        if args.amp:
+            from kiln.bench.coverage_amp import method
+            extra = dict(title=f"Model coverage under amp={args.amp}", method=method(args.amp))
         text = render_markdown([result_from_dict(d) for d in done.values()],
-                               command="python " + " ".join(["benchmarks/coverage.py"] + sys.argv[1:]), notes=notes)
+                               command="python " + " ".join(["benchmarks/coverage.py"] + sys.argv[1:]), notes=notes,
+                               **extra)
         with open(markdown, "w") as f:
             f.write(text)
         print(f"coverage: wrote {markdown}", file=sys.stderr)

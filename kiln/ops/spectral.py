@@ -47,10 +47,12 @@ def real_part(b, g, like):
 # view_as_real(z): (..., 2) real; gradient = real channel + i * imaginary channel
 defop(aten.view_as_real.default, lambda b, n, g: (
     b(aten.complex.default, b(aten.select.int, g, -1, 0), b(aten.select.int, g, -1, 1)),), V)
-# view_as_complex(x): x is (..., 2) real; gradient = the (re, im) pairs of g
+# view_as_complex(x): x is (..., 2) real; gradient = the (re, im) pairs of g. Complex tensors exist in
+# fp32/fp64 (ATen has no bf16 complex, little complex32): under amp their real inputs are taken to fp32
+# (a model's own `.float()` before them was a no-op in the fp32 capture, so it is not in the graph)
 defop(aten.view_as_complex.default, lambda b, n, g: (
-    b(aten.view_as_real.default, b(aten.resolve_conj.default, g)),), V)
-defop(aten.complex.default, lambda b, n, g: (b(aten.real.default, g), b(aten.imag.default, g)), P)
+    b(aten.view_as_real.default, b(aten.resolve_conj.default, g)),), V, F32)
+defop(aten.complex.default, lambda b, n, g: (b(aten.real.default, g), b(aten.imag.default, g)), P, F32)
 # real(z) = x: gradient g + 0i (real(x) of a real x is x itself)
 defop(aten.real.default, lambda b, n, g: (cast(b, g, n.args[0].meta.dtype),), V)
 

@@ -104,6 +104,7 @@ def autocast(graph: Graph, policy: AmpPolicy) -> int:
             swap = {v: cast(b, v, dt) for v, dt in want.items()}
             n.args, n.kwargs = tree_map_values(lambda v: swap.get(v, v), (n.args, n.kwargs))
         _refresh(n)                    # input dtypes upstream may have changed
+        _saturate_scalars(n, low)
         new_nodes.append(n)
     graph.nodes = new_nodes
     return inserted
@@ -120,6 +121,24 @@ def _promotion(floats: list[Value]) -> dict[Value, torch.dtype]:
     for v in deciders[1:]:
         target = torch.promote_types(target, v.meta.dtype)
     return {v: target for v in floats if v.meta.dtype != target}
+
+
+def _saturate_scalars(n, low: torch.dtype) -> None:
+    """A float constant the fp32 program holds finitely but `low` cannot (`torch.finfo(torch.float32).min`
+    captured as a mask value, `-1e9` under fp16) becomes `low`'s largest finite value of its sign, which is
+    what the model computes under autocast (`finfo(scores.dtype).min`); ATen would otherwise refuse to
+    convert it (`masked_fill`, `fill_`, `clamp`) or overflow it to an infinity. Only for ops that compute in
+    `low` after the casts; infinities and NaN stay as they are."""
+    if not any(v.meta.dtype == low for v in (*n.inputs, *n.outputs) if v.is_float):
+        return
+    top, f32 = torch.finfo(low).max, torch.finfo(torch.float32).max
+
+    def fix(x):
+        return (top if x > 0 else -top) if type(x) is float and top < abs(x) <= f32 else x
+    args = [fix(a) for a in n.args]
+    kwargs = {k: fix(v) for k, v in n.kwargs.items()}
+    if args != list(n.args) or kwargs != n.kwargs:
+        n.args, n.kwargs = tuple(args), kwargs
 
 
 def _refresh(n) -> None:

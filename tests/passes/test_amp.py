@@ -108,3 +108,74 @@ def test_parameters_cast_once_per_step_in_a_compiled_model():
     assert not [n for n in param_casts if n.phase.value == "backward"]
     text = step.explain()
     assert "bfloat16" in text and "amp bfloat16" in text
+
+
+class _MaskedScores(torch.nn.Module):
+    """Scores masked with the largest negative value of their dtype (as Hugging Face models write it): in
+    the fp32 capture that is float32's, which bf16 cannot hold (masked_fill would refuse it)."""
+
+    def __init__(self, fill):
+        super().__init__()
+        self.q, self.k, self.fill = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), fill
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        fill = torch.finfo(scores.dtype).min if self.fill is None else self.fill
+        scores = scores.masked_fill(mask, fill).clamp(min=fill)
+        return (scores.softmax(-1).float() @ x).square().mean()
+
+
+@pytest.mark.parametrize("amp,fill", [("bf16", None), ("fp16", None), ("fp16", -1e9)])
+def test_a_mask_value_the_low_dtype_cannot_hold_saturates_to_its_largest(amp, fill):
+    torch.manual_seed(0)
+    model = _MaskedScores(fill)
+    x, mask = torch.randn(2, 8, 16), torch.rand(2, 8, 8) > 0.5
+    mask[..., 0] = False                                      # every row keeps one key
+    ref = _MaskedScores(fill)
+    ref.load_state_dict(model.state_dict())
+    loss_ref = ref(x, mask)                                   # fp32 eager: the truth
+    loss_ref.backward()
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=1.0), amp=amp)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = step(x, mask)
+    assert torch.allclose(loss, loss_ref, rtol=2e-2)
+    for n, p in model.named_parameters():
+        if n == "k.bias":
+            continue                                          # analytically zero: softmax ignores it
+        g = before[n] - p.detach()
+        want = dict(ref.named_parameters())[n].grad
+        assert (g - want).norm() <= 0.05 * want.norm(), n
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    fills = [n.args[2] for n in step.graph.nodes if n.target is aten.masked_fill.Scalar and n.phase.value == "forward"]
+    assert fills == [-torch.finfo(low).max]
+
+
+class _ComplexRotary(torch.nn.Module):
+    """Meta-llama-style rotary embedding through complex numbers, after a projection that amp runs in bf16:
+    the model's `.float()` is a no-op in the fp32 capture, so amp itself must give view_as_complex fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        angles = torch.outer(torch.arange(8.0), 1.0 / 100 ** (torch.arange(0, 16, 2) / 16))
+        self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x):
+        q = torch.view_as_complex(self.proj(x).float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(q * self.freqs).flatten(-2).square().mean()
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_complex_views_compute_in_fp32_under_amp(amp):
+    torch.manual_seed(0)
+    model, x = _ComplexRotary(), torch.randn(2, 8, 16)
+    ref = _ComplexRotary()
+    ref.load_state_dict(model.state_dict())
+    loss_ref = ref(x)
+    loss_ref.backward()
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=1.0), amp=amp)
+    before = model.proj.weight.detach().clone()
+    assert torch.allclose(step(x), loss_ref, rtol=2e-2)
+    assert ((before - model.proj.weight.detach()) - ref.proj.weight.grad).norm() <= 0.05 * ref.proj.weight.grad.norm()
+    complex_in = [n.args[0].meta.dtype for n in step.graph.nodes if n.target is aten.view_as_complex.default]
+    assert complex_in and set(complex_in) == {torch.float32}
