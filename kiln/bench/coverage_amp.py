@@ -16,28 +16,60 @@ Kiln keeps different ops in low precision than autocast does). Parameters whose 
 autocast's own error is over `IMPRECISE` (a sum that cancels, such as a BatchNorm weight's gradient in a
 small model: bf16 cannot resolve it, so no mixed-precision result can be judged by it; the report counts
 them); a parameter
-eager gives no gradient must not move. The loss is judged the same way. A wrong gradient is off by
+eager gives no gradient must not move. The loss is judged the same way. Where Kiln misses, autocast runs
+`ROUNDINGS` more times with every low-precision result moved by up to one unit in its last place (`_Reround`: another
+valid rounding, as another GEMM kernel would give): a model whose discrete choices (MoE routing over a
+handful of tokens, top-k) flip under that moves autocast itself, and Kiln is allowed FACTOR times the
+largest move (the entry is marked ill-conditioned). A wrong gradient is off by
 O(1); the bounds sit well below that and well above bf16 rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import traceback
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kiln.bench.coverage import (Result, Unbuildable, _first_line, _loss, _names_module, _params, _spacing, _tail,
                                  build, float64_gradient)
 
-FACTOR, FLOOR, SMALL, LOSS_FLOOR, IMPRECISE = 4.0, 0.1, 1e-3, 2e-2, 0.5
+FACTOR, FLOOR, SMALL, LOSS_FLOOR, IMPRECISE, ROUNDINGS = 4.0, 0.1, 1e-3, 2e-2, 0.5, 4
 
 
-def _eager_grads(model0, batch, loss_fn, autocast: str | None):
+def _low(amp: str | None) -> torch.dtype:
+    return torch.float16 if amp == "fp16" else torch.bfloat16
+
+
+class _Reround(TorchDispatchMode):
+    """Every new low-precision tensor an op makes (not views, not in-place writes) moved by up to one unit in
+    its last place at random: the same computation under another valid rounding (another GEMM kernel, another
+    summation order)."""
+
+    def __init__(self, dtype: torch.dtype, seed: int):
+        super().__init__()
+        self.dtype, self.gen = dtype, torch.Generator().manual_seed(seed)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        if (isinstance(out, torch.Tensor) and out.dtype == self.dtype and not schema.is_mutable
+                and not any(r.alias_info is not None for r in schema.returns)):
+            noise = torch.rand(out.shape, generator=self.gen).sub_(0.5).mul_(torch.finfo(self.dtype).eps)
+            out = out.float().mul_(noise.add_(1)).to(self.dtype)
+        return out
+
+
+def _eager_grads(model0, batch, loss_fn, autocast: str | None, reround: int = 0):
+    """(loss, gradients in float64) of eager, under autocast(`autocast`) or in float32; with `reround` (a
+    seed), under `_Reround` (autocast's results under another valid rounding)."""
     model = copy.deepcopy(model0)
+    dtype = _low(autocast)
     torch.manual_seed(1000)
-    dtype = torch.float16 if autocast == "fp16" else torch.bfloat16
-    with torch.autocast("cpu", dtype=dtype, enabled=autocast is not None):
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast is not None), \
+            (_Reround(dtype, reround) if reround else contextlib.nullcontext()):
         loss = _loss(model, batch, loss_fn)
     loss.float().backward()
     return loss.item(), {n: None if p.grad is None else p.grad.detach().double() for n, p in model.named_parameters()}
@@ -57,9 +89,12 @@ def _kiln_grads(model0, batch, loss_fn, dialects, amp: str):
     return loss, deltas, fallbacks
 
 
-def judge(truth: dict, loss_truth: float, ref: tuple, kiln_side: tuple) -> tuple[float, float, str, list[str]]:
+def judge(truth: dict, loss_truth: float, ref: tuple, kiln_side: tuple,
+          spreads: list[tuple] = ()) -> tuple[float, float, str, list[str]]:
     """(Kiln's worst relative gradient error, its worst error over the allowed one, why it fails or '', the
-    parameters not judged because autocast's own error on them is over IMPRECISE)."""
+    parameters not judged because autocast's own error on them is over IMPRECISE). With `spread` (autocast's
+    loss and gradients under other roundings), the most autocast itself moves by there is allowed too, FACTOR
+    times."""
     loss_ref, g_ref = ref
     loss_k, deltas = kiln_side
     norms = {n: t.norm().item() for n, t in truth.items() if t is not None}
@@ -78,7 +113,9 @@ def judge(truth: dict, loss_truth: float, ref: tuple, kiln_side: tuple) -> tuple
         if err_ref > IMPRECISE:
             unjudged.append(n)
             continue
-        allowed = max(FACTOR * err_ref, FLOOR)
+        moved = max([(g_sp[n] - g_ref[n]).norm().item() / norms[n] for _, g_sp in spreads
+                     if g_sp.get(n) is not None], default=0.0)
+        allowed = max(FACTOR * err_ref, FACTOR * moved, FLOOR)
         ratio = err_k / allowed if err_k == err_k else float("inf")
         worst_err, worst_ratio = max(worst_err, err_k), max(worst_ratio, ratio)
         if ratio > 1 and not why:
@@ -86,7 +123,8 @@ def judge(truth: dict, loss_truth: float, ref: tuple, kiln_side: tuple) -> tuple
                    f"{allowed:.2e})")
     scale = max(abs(loss_truth), 1e-12)
     loss_err, loss_ref_err = abs(loss_k - loss_truth) / scale, abs(loss_ref - loss_truth) / scale
-    if not loss_err <= max(FACTOR * loss_ref_err, LOSS_FLOOR) and not why:
+    loss_moved = max([abs(loss_sp - loss_ref) / scale for loss_sp, _ in spreads], default=0.0)
+    if not loss_err <= max(FACTOR * loss_ref_err, FACTOR * loss_moved, LOSS_FLOOR) and not why:
         why = f"loss {loss_k!r}: relative error {loss_err:.2e} (autocast's {loss_ref_err:.2e})"
     return worst_err, worst_ratio, why, unjudged
 
@@ -130,6 +168,14 @@ def run_entry_amp(entry, dialects: list[str] | None = None, amp: str = "bf16") -
             r.traceback = _tail(traceback.format_exc())
             return r
         r.grad_rel_err, r.param_err, r.why, r.unjudged = judge(truth, loss_truth, ref, (loss_k, deltas))
+        if r.why and "no gradient" not in r.why:
+            # discrete choices on computed values (MoE routing, top-k indexers) flip under another rounding:
+            # Kiln is judged against what other valid roundings do to autocast itself
+            spreads = [_eager_grads(model0, batch, loss_fn, autocast=amp, reround=seed) for seed in range(1, ROUNDINGS + 1)]
+            err, ratio, why, unjudged = judge(truth, loss_truth, ref, (loss_k, deltas), spreads)
+            if not why:
+                r.ill_conditioned = True
+                r.grad_rel_err, r.param_err, r.why, r.unjudged = err, ratio, "", unjudged
         r.loss_diffs = [abs(loss_k - loss_truth) / max(abs(loss_truth), 1e-12)]
         r.outcome = "close" if not r.why else "wrong"
         return r
