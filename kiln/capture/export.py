@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
-from kiln.capture import aliasing, branches, decomps, functions
+from kiln.capture import aliasing, branches, decomps, functions, modes
 from kiln.errors import CaptureError, KilnError, UnsupportedError
 from kiln.guards import BRANCH_GUARD, branch_guard
 from kiln.ir import symbolic
@@ -137,9 +137,10 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
     try:
         with _training_config(model), _module_tracker(model, stack), _quiet_torch_logs(), \
                 functions.honour_autograd_functions(), _capturable_ctc(), _no_causal_mask_detection(), \
-                decomps.refuse_packed_sequences():
+                decomps.refuse_packed_sequences(), modes.refuse_no_grad_in_autocast(stack):
             ep = _export(wrapper, tensors, dynamic, stack)
-        _detach_no_grad_regions(ep)
+        modes.detach_no_grad_regions(ep)
+        modes.mark_autocast_off(ep)
         aliasing.own_mutated_detaches(ep, lambda fx: f"in {_scope(fx) or type(model).__name__}, {_user_line(fx)}")
         ep = ep.run_decompositions(_decompositions())     # one pass: functional ATen, composites written out
     except KilnError:
@@ -219,24 +220,6 @@ def _export(wrapper, tensors: tuple, dynamic, stack: list[str]):
         stack[:] = where
         raise first
     return ep
-
-
-def _detach_no_grad_regions(ep) -> None:
-    """What the forward computes under `torch.no_grad()` carries no gradient. Export records such a block
-    as a `wrap_with_set_grad_enabled(False, ...)` call, which decomposition inlines (and the fact with
-    it): each of its results is detached first, so autodiff sees where gradients stop."""
-    g = ep.graph
-    wrap = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
-    changed = False
-    for n in list(g.nodes):
-        if n.op == "call_function" and n.target is wrap and n.args and n.args[0] is False:
-            for u in list(n.users):
-                with g.inserting_after(u):
-                    d = g.call_function(torch.ops.aten.detach.default, (u,))
-                u.replace_all_uses_with(d, delete_user_cb=lambda x, d=d: x is not d)
-                changed = True
-    if changed:
-        ep.graph_module.recompile()
 
 
 @contextlib.contextmanager
@@ -454,7 +437,8 @@ def _to_kiln(ep, model, slots: list[int], names: list[str]) -> tuple[Graph, dict
         outs_meta = [_meta(v) for v in vlist]
         op = registry.lookup(fx.target)
         outs = [Value(g.fresh_name(fx.name), m) for m in outs_meta]
-        node = Node(op, fx.target, tuple(a), dict(kw), outs, Phase.FORWARD, _scope(fx))
+        node = Node(op, fx.target, tuple(a), dict(kw), outs, Phase.FORWARD, _scope(fx),
+                    full_precision=modes.full_precision(fx))
         for v in outs:
             v.producer = node
         g.nodes.append(node)

@@ -198,6 +198,7 @@ class Node:
     scope: str = ""                  # module path it came from, e.g. "model.layers.0.self_attn"
     impl: "Impl | None" = None       # chosen by the dispatch pass
     fused: "Fused | None" = None     # set by the fuse pass on the op(s) that replaced a subgraph
+    full_precision: bool = False     # the model runs it under torch.autocast(enabled=False): amp keeps fp32
     uid: int = field(default_factory=lambda: next(_ids))
 
     @property

@@ -1,6 +1,7 @@
 """Automatic mixed precision over the forward graph, before autodiff (so the backward follows).
 
-Each op's cast class comes from its OpDef (overridable per op name or module path):
+Each op's cast class comes from its OpDef (overridable per op name or module path; ops the model runs
+under `torch.autocast(enabled=False)` are FP32, `Node.full_precision`):
 - LOWER  (matmul, linear, conv, attention): floating inputs are cast to the low dtype;
 - FP32   (softmax, losses, norms, exp/log/pow, reductions): low-precision inputs are cast to fp32;
 - FOLLOW (views, elementwise, activations): inputs of mixed float dtypes are promoted to the widest
@@ -57,6 +58,8 @@ class AmpPolicy:
         return cls(LOW_DTYPES[amp], op_overrides=ops, module_overrides=mods)
 
     def cast_class(self, node) -> Cast:
+        if node.full_precision:
+            return Cast.FP32            # the model's own `torch.autocast(enabled=False)` block
         if node.op.name in self.op_overrides:
             return self.op_overrides[node.op.name]
         cls = node.op.cast
