@@ -137,7 +137,8 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
     try:
         with _training_config(model), _module_tracker(model, stack), _quiet_torch_logs(), \
                 functions.honour_autograd_functions(), _capturable_ctc(), _no_causal_mask_detection(), \
-                decomps.refuse_packed_sequences(), modes.refuse_no_grad_in_autocast(stack):
+                decomps.refuse_packed_sequences(), modes.refuse_no_grad_in_autocast(stack), \
+                modes.honour_autocast_off():
             ep = _export(wrapper, tensors, dynamic, stack)
         modes.detach_no_grad_regions(ep)
         modes.mark_autocast_off(ep)

@@ -81,3 +81,26 @@ def test_an_autocast_off_block_stays_in_fp32_under_amp():
     proj, router = linears                      # (export gives the block's ops no module path)
     assert proj.args[0].meta.dtype == torch.bfloat16 and not proj.full_precision         # amp as usual
     assert router.full_precision and {a.meta.dtype for a in router.inputs} == {torch.float32}
+
+
+def test_hugging_face_maybe_autocast_off_blocks_stay_in_fp32_under_amp():
+    """`maybe_autocast(device, enabled=False)` (transformers' MoE routers) is a no-op outside autocast; during
+    capture Kiln opens the block itself, so the router's top-k runs in fp32 as under autocast."""
+    generic = pytest.importorskip("transformers.utils.generic")
+
+    class Router(Blocks):
+        def forward(self, x):
+            h = self.proj(x)
+            with generic.maybe_autocast("cpu", enabled=False):
+                s = self.router(h.float()).sigmoid()
+            return (h * s.sum(-1, keepdim=True)).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Router("maybe_autocast"), torch.randn(3, 5, 8)
+    ref = copy.deepcopy(model)
+    ref(x).backward()
+    step, _, got = _sgd_grads(model, x, amp="bf16")
+    router = [n for n in step.graph.nodes if n.target is aten.linear.default and n.phase.value == "forward"][1]
+    assert router.full_precision and {a.meta.dtype for a in router.inputs} == {torch.float32}
+    assert (got["router.weight"] - ref.router.weight.grad).norm() <= 0.05 * ref.router.weight.grad.norm()
+    assert generic.maybe_autocast("cpu", enabled=False).__class__.__name__ == "nullcontext"    # restored
