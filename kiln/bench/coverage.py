@@ -295,10 +295,7 @@ def run_entry(entry: Entry, dialects: list[str] | None = None) -> Result:
             e1 = eager_train(model0, batch, loss_fn)
             e2 = eager_train(model0, batch, loss_fn)
         except Exception as e:          # noqa: BLE001
-            r.outcome, r.why, r.exception = "unbuildable", _first_line(e), type(e).__name__
-            if not isinstance(e, Unbuildable):
-                r.traceback = _tail(traceback.format_exc())
-            return r
+            return record_failure(r, e)
         r.loss = "model" if loss_fn is None else "logits-l2"
         (losses, grads, p_eager, b_eager, b_first), (losses2, grads2, _, _, _) = e1, e2
         drift = max([abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses, losses2)] +
@@ -319,15 +316,8 @@ def run_entry(entry: Entry, dialects: list[str] | None = None) -> Result:
             why_g = why_g or check_buffers(b_first, model_s, BUFFER_RTOL * loosen, "after one step")
             model_a = copy.deepcopy(model0)
             _, k_losses = _kiln_step(model_a, kiln.optim.AdamW(**ADAMW), batch, loss_fn, STEPS, dialects)
-        except kiln.KilnError as e:
-            r.outcome, r.why, r.exception = "refused", _first_line(e), type(e).__name__
-            r.names_module = _names_module(str(e), model0)
-            r.traceback = _tail(traceback.format_exc())
-            return r
-        except Exception as e:          # noqa: BLE001 - a raw error out of Kiln: a bug
-            r.outcome, r.why, r.exception = "error", _first_line(e), type(e).__name__
-            r.traceback = _tail(traceback.format_exc())
-            return r
+        except Exception as e:          # noqa: BLE001
+            return record_failure(r, e, model0)
         r.loss_diffs = _rel_diffs(k_losses, losses)
 
         def judge(loosen):
@@ -348,6 +338,21 @@ def run_entry(entry: Entry, dialects: list[str] | None = None) -> Result:
         return r
     finally:
         r.seconds = round(time.perf_counter() - t0, 2)
+
+
+def record_failure(r: Result, e: Exception, model0=None) -> Result:
+    """An exception as the entry's outcome, from the `except` block: without `model0` (eager could not build,
+    run or train it) unbuildable; else out of Kiln: refused (a KilnError; does it name a module?) or error
+    (any other exception: a bug)."""
+    import kiln
+    refused = isinstance(e, kiln.KilnError)
+    outcome = "unbuildable" if model0 is None else "refused" if refused else "error"
+    r.outcome, r.why, r.exception = outcome, _first_line(e), type(e).__name__
+    if outcome == "refused":
+        r.names_module = _names_module(str(e), model0)
+    if not isinstance(e, Unbuildable):
+        r.traceback = _tail(traceback.format_exc())
+    return r
 
 
 def _rel_diffs(got: list[float], want: list[float]) -> list[float]:

@@ -28,13 +28,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kiln.bench.coverage import (Result, Unbuildable, _first_line, _loss, _names_module, _params, _spacing, _tail,
-                                 build, float64_gradient)
+from kiln.bench.coverage import Result, _loss, _params, _spacing, build, float64_gradient, record_failure
 
 FACTOR, FLOOR, SMALL, LOSS_FLOOR, IMPRECISE, ROUNDINGS = 4.0, 0.1, 1e-3, 2e-2, 0.5, 4
 
@@ -131,7 +129,6 @@ def judge(truth: dict, loss_truth: float, ref: tuple, kiln_side: tuple,
 
 def run_entry_amp(entry, dialects: list[str] | None = None, amp: str = "bf16") -> Result:
     """Build, take the three gradients, judge. Never raises (other than KeyboardInterrupt)."""
-    import kiln
     r = Result(entry.model_type, entry.class_name, entry.head)
     t0 = time.perf_counter()
     try:
@@ -140,10 +137,7 @@ def run_entry_amp(entry, dialects: list[str] | None = None, amp: str = "bf16") -
             loss32, g32 = _eager_grads(model0, batch, loss_fn, autocast=None)
             ref = _eager_grads(model0, batch, loss_fn, autocast=amp)
         except Exception as e:          # noqa: BLE001
-            r.outcome, r.why, r.exception = "unbuildable", _first_line(e), type(e).__name__
-            if not isinstance(e, Unbuildable):
-                r.traceback = _tail(traceback.format_exc())
-            return r
+            return record_failure(r, e)
         r.loss = "model" if loss_fn is None else "logits-l2"
         truth = float64_gradient(model0, batch, loss_fn)
         loss_truth = loss32
@@ -158,15 +152,8 @@ def run_entry_amp(entry, dialects: list[str] | None = None, amp: str = "bf16") -
                 truth, r.float64_referee = g32, False
         try:
             loss_k, deltas, r.fallbacks = _kiln_grads(model0, batch, loss_fn, dialects, amp)
-        except kiln.KilnError as e:
-            r.outcome, r.why, r.exception = "refused", _first_line(e), type(e).__name__
-            r.names_module = _names_module(str(e), model0)
-            r.traceback = _tail(traceback.format_exc())
-            return r
-        except Exception as e:          # noqa: BLE001 - a raw error out of Kiln: a bug
-            r.outcome, r.why, r.exception = "error", _first_line(e), type(e).__name__
-            r.traceback = _tail(traceback.format_exc())
-            return r
+        except Exception as e:          # noqa: BLE001
+            return record_failure(r, e, model0)
         r.grad_rel_err, r.param_err, r.why, r.unjudged = judge(truth, loss_truth, ref, (loss_k, deltas))
         if r.why and "no gradient" not in r.why:
             # discrete choices on computed values (MoE routing, top-k indexers) flip under another rounding:
