@@ -27,12 +27,21 @@ def fold_widening_casts(graph: Graph) -> int:
     """Drop the widening casts every use of which promotes by itself. Returns how many."""
     users, live = graph.users(), graph.live_outputs()
 
+    narrow: dict[Value, Value] = {}          # a wide value -> the same values in the narrow dtype
+
+    def becomes_narrow(v: Value) -> bool:
+        """Whether v is a cast this pass drops, or a view of one (the views are taken of the narrow value)."""
+        p = v.producer
+        return v in narrow or (p is not None and bool(p.args) and isinstance(p.args[0], Value)
+                               and _view_of(p, p.args[0]) and becomes_narrow(p.args[0]))
+
     def foldable(v: Value, dtype: torch.dtype) -> bool:
         readers = users.get(v, [])
         return v not in live and bool(readers) and all(
-            foldable(r.outputs[0], dtype) if _view_of(r, v) else _still_promotes(r, v, dtype) for r in readers)
+            foldable(r.outputs[0], dtype) if _view_of(r, v) else _still_promotes(r, v, dtype, becomes_narrow)
+            for r in readers)
 
-    narrow: dict[Value, Value] = {}          # a wide value -> the same values in the narrow dtype
+    # in program order, each decision counting the ones before it: of add(cast(a), cast(b)) one cast goes
     for n in graph.nodes:
         if _widening(n) and foldable(n.outputs[0], n.outputs[0].meta.dtype):
             narrow[n.outputs[0]] = n.args[0]
@@ -66,10 +75,10 @@ def _view_of(n: Node, v: Value) -> bool:
         sum(x is v for x in n.inputs) == 1
 
 
-def _still_promotes(reader: Node, wide: Value, dtype: torch.dtype) -> bool:
+def _still_promotes(reader: Node, wide: Value, dtype: torch.dtype, dropped) -> bool:
     """Whether `reader` computes in `dtype` with `wide` in the narrow dtype: it promotes by itself, and
-    another input with dimensions has that dtype."""
+    another input with dimensions has that dtype and keeps it (`dropped(v)`: v is a cast already dropped)."""
     if not reader.op.promotes:
         return False
     others = [v for v in reader.inputs if v is not wide and v.is_float and len(v.meta.shape) > 0]
-    return any(v.meta.dtype == dtype for v in others)
+    return any(v.meta.dtype == dtype and not dropped(v) for v in others)

@@ -38,6 +38,20 @@ def test_a_cast_reaching_the_op_through_views_is_dropped_and_the_views_taken_of_
     torch.testing.assert_close(got, x.t().float().reshape(1, 32) + y.reshape(1, 32), rtol=0, atol=0)
 
 
+def test_of_two_widening_casts_into_one_op_only_one_is_dropped():
+    """add(cast(x), cast(z)) computes in fp32 from one narrow input, not from two (segformer's gradient sum of
+    two bf16 branches went into LayerNorm's fp32 backward as bf16 when both were dropped)."""
+    x, _, z = _inputs()
+    g, b, (xv, _yv, zv) = graph_with_inputs(*_inputs())
+    total = b(aten.add.Tensor, b(aten._to_copy.default, xv, dtype=torch.float32),
+              b(aten.view.default, b(aten._to_copy.default, zv, dtype=torch.float32), [4, 8]))
+    g.outputs = [b(aten.mul.Tensor, total, 2.0)]
+    assert fold_widening_casts(g) == 1 and count(g, aten._to_copy.default) == 1
+    got = run(g, *_inputs())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, (x.float() + z.float()) * 2, rtol=0, atol=0)
+
+
 def test_casts_are_kept_where_dropping_them_would_change_the_result():
     g, b, (xv, yv, zv) = graph_with_inputs(*_inputs())
     both_low = b(aten.mul.Tensor, b(aten._to_copy.default, xv, dtype=torch.float32), zv)   # would compute in bf16
