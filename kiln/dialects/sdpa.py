@@ -47,8 +47,33 @@ def sdpa_flash_cpu(b, n):
     return [out]
 
 
+def _dense_last(t):
+    """`t` with unit stride in its last dimension (a copy only where it has not)."""
+    return t if t.dim() == 0 or t.stride(-1) == 1 or t.size(-1) == 1 else t.contiguous()
+
+
+def flash_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """ATen's CPU flash attention, given q/k/v whose last dimension is dense. The kernel reads them as if it
+    were and returns garbage otherwise (B2 H16 T4 D9 with a head-dim stride of 4: 2.2 off the math path,
+    the backward 15), where eager `F.scaled_dot_product_attention` checks and takes the math path. Layouts
+    in Kiln's graph are predictions, so the check is made on the tensors, at run time: attention over
+    channels (Florence-2's DaViT: q/k/v permuted so that tokens are the last dimension) trained to NaN."""
+    return aten._scaled_dot_product_flash_attention_for_cpu.default(
+        _dense_last(q), _dense_last(k), _dense_last(v), dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def flash_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    """The backward kernel, with the same check on every tensor it reads per head dimension."""
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        _dense_last(grad_out), _dense_last(q), _dense_last(k), _dense_last(v), _dense_last(out), logsumexp,
+        dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+# the ATen flash kernels -> the versions safe for any layout (the upcast dialect runs these too)
+SAFE_KERNELS = {aten._scaled_dot_product_flash_attention_for_cpu.default: flash_forward,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default: flash_backward}
+
 lowering(SDPA, aten.scaled_dot_product_attention.default, sdpa_flash_cpu, checker=_flash_cpu_ok, name="flash")
 # the fused kernels the lowering emits (and the VJP rule's backward kernel) belong to this dialect
-for _op in (aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
-    kernel(SDPA, _op, _op, name="flash")
+for _op, _safe in SAFE_KERNELS.items():
+    kernel(SDPA, _op, _safe, name="flash")

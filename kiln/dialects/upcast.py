@@ -22,6 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from kiln.dialects.registry import dialect, kernel
+from kiln.dialects.sdpa import SAFE_KERNELS
 from kiln.ops.registry import Cast, all_ops
 
 aten = torch.ops.aten
@@ -150,7 +151,7 @@ SLICED = {aten.mm.default: upcast_mm, aten.linear.default: upcast_linear, aten.a
 def _register() -> None:
     targets = [t for op in all_ops() if op.cast is Cast.LOWER for t in op.targets] + list(BACKWARD_KERNELS)
     for target in dict.fromkeys(targets):
-        fn = SLICED.get(target) or upcast_kernel(target)
+        fn = SLICED.get(target) or upcast_kernel(SAFE_KERNELS.get(target, target))
         kernel(UPCAST, target, fn, checker=_wanted, name="fp32")
 
 
