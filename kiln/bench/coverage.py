@@ -19,7 +19,8 @@ the eager-vs-eager difference. If the AdamW comparison fails, eager trains once 
 changed by a relative 1e-7: where that moves eager beyond the tolerances too, the model is
 `ill_conditioned` and Kiln is judged against 10x that spread (the gradient check stays strict).
 
-Outcomes: exact; refused (a KilnError); wrong (numbers beyond the tolerances); error (any other
+Outcomes: exact; refused (a KilnError before the step runs); wrong (numbers beyond the tolerances, or a
+non-finite loss where eager's is finite); error (a compiled step that failed while running, or any other
 exception from Kiln: a bug); unbuildable (eager itself cannot build, run or train it); timeout (set by the
 caller running each entry in its own process). `render_markdown(results)` writes the report.
 """
@@ -342,11 +343,14 @@ def run_entry(entry: Entry, dialects: list[str] | None = None) -> Result:
 
 def record_failure(r: Result, e: Exception, model0=None) -> Result:
     """An exception as the entry's outcome, from the `except` block: without `model0` (eager could not build,
-    run or train it) unbuildable; else out of Kiln: refused (a KilnError; does it name a module?) or error
-    (any other exception: a bug)."""
+    run or train it) unbuildable; else out of Kiln: wrong (a non-finite loss where eager's on the same batch is
+    finite), error (a compiled step that failed while running, or any exception that is not a KilnError: a
+    bug) or refused (a KilnError before the step ran; does it name a module?)."""
     import kiln
-    refused = isinstance(e, kiln.KilnError)
-    outcome = "unbuildable" if model0 is None else "refused" if refused else "error"
+    from kiln.guards import NonFiniteError
+    refused = isinstance(e, kiln.KilnError) and not isinstance(e, kiln.StepError)
+    outcome = ("unbuildable" if model0 is None else "wrong" if isinstance(e, NonFiniteError)
+               else "refused" if refused else "error")
     r.outcome, r.why, r.exception = outcome, _first_line(e), type(e).__name__
     if outcome == "refused":
         r.names_module = _names_module(str(e), model0)
