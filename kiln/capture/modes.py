@@ -4,8 +4,7 @@
   detached before decomposition inlines it (`detach_no_grad_regions`), so autodiff stops there.
 - `with torch.autocast(..., enabled=False):` becomes a `wrap_with_autocast` call: its ops are marked
   full precision (`mark_autocast_off`, `full_precision`), so `amp=` keeps them in fp32 as autocast does.
-  Hugging Face's `maybe_autocast(enabled=False)` (MoE routers, upcast attention) is a no-op unless autocast
-  is on, so during capture it opens that block itself (`honour_autocast_off`).
+  (Hugging Face's `maybe_autocast(enabled=False)` is made to open one: kiln/capture/hf.py.)
 - A `no_grad` block *inside* an autocast block is lost by export (torch 2.13: the autocast pass splits
   the block at the grad-mode switch and no `wrap_with_set_grad_enabled` is left), so its results would
   carry gradients eager never computes: `refuse_no_grad_in_autocast` stops the capture there instead.
@@ -13,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 
@@ -115,31 +113,3 @@ def refuse_no_grad_in_autocast(stack: list[str]):
         for cls, name, f in originals:
             setattr(cls, name, f)
 
-
-@contextlib.contextmanager
-def honour_autocast_off():
-    """During capture: Hugging Face's `maybe_autocast(device, enabled=False)` opens `torch.autocast(device,
-    enabled=False)` even though autocast is off (where it returns a null context), so export records the
-    block the model wants in fp32. In an fp32 capture the block changes no number."""
-    generic = sys.modules.get("transformers.utils.generic")
-    original = getattr(generic, "maybe_autocast", None) if generic is not None else None
-    if original is None:
-        yield
-        return
-
-    def maybe_autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
-        if not enabled and device_type != "meta":
-            return torch.autocast(device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled)
-        return original(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-
-    # the modeling files import it by name: swap every module's reference (their __dict__, not getattr,
-    # which would make transformers' lazy modules import)
-    users = [m for name, m in list(sys.modules.items()) if name.startswith("transformers.") and m is not None
-             and getattr(m, "__dict__", {}).get("maybe_autocast") is original]
-    for m in users:
-        m.maybe_autocast = maybe_autocast
-    try:
-        yield
-    finally:
-        for m in users:
-            m.maybe_autocast = original
