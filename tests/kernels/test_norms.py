@@ -39,6 +39,15 @@ def test_rms_norm_fp64_formula():
           lambda x, r, w: refs.rms_norm(x, w, 1e-6, residual=r), [x, r, w], FP64)
 
 
+def test_rms_norm_forward_is_bitwise_eager_llama_rmsnorm():
+    """The same float32 formula as Hugging Face's `hidden * rsqrt(hidden.pow(2).mean(-1) + eps) * weight`: the
+    norm squared back (vector_norm) rounded otherwise, which ill-conditioned weight gradients amplified."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 96) * 3, torch.rand(96) + 0.5
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    assert torch.equal(K.rms_norm(x, w, 1e-6), want)
+
+
 def test_rms_norm_only_residual_used():
     """The gradient reaching x + residual only through the returned sum (the norm output unused)."""
     x, r, w = (torch.randn(3, 8, requires_grad=True) for _ in range(3))
