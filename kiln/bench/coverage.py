@@ -202,6 +202,8 @@ def _spacing(x: torch.Tensor) -> torch.Tensor:
 def check_buffers(want: dict, model_k, rtol: float, when: str) -> str:
     got = _buffers(model_k)
     for n, w in want.items():
+        if got[n].shape != w.shape:         # the forward rebinds the buffer (a table grown for a longer input)
+            return f"buffer {n} {when} has shape {tuple(got[n].shape)}, eager's {tuple(w.shape)}"
         ok = torch.allclose(got[n].double(), w.double(), rtol=rtol, atol=rtol / 10, equal_nan=True) \
             if w.is_floating_point() else torch.equal(got[n], w)
         if not ok:
