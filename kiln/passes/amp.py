@@ -126,13 +126,20 @@ def _promotion(floats: list[Value]) -> dict[Value, torch.dtype]:
     return {v: target for v in floats if v.meta.dtype != target}
 
 
+# ops whose float constant is a value written into the result (never an operand of arithmetic)
+_FILLS = {aten.masked_fill.Scalar, aten.fill.Scalar, aten.clamp.default, aten.clamp_min.default,
+          aten.clamp_max.default, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
+          aten.index_fill.int_Scalar, aten.full_like.default, aten.new_full.default, aten.scatter.value}
+
+
 def _saturate_scalars(n, low: torch.dtype) -> None:
-    """A float constant the fp32 program holds finitely but `low` cannot (`torch.finfo(torch.float32).min`
+    """A fill value the fp32 program holds finitely but `low` cannot (`torch.finfo(torch.float32).min`
     captured as a mask value, `-1e9` under fp16) becomes `low`'s largest finite value of its sign, which is
     what the model computes under autocast (`finfo(scores.dtype).min`); ATen would otherwise refuse to
-    convert it (`masked_fill`, `fill_`, `clamp`) or overflow it to an infinity. Only for ops that compute in
-    `low` after the casts; infinities and NaN stay as they are."""
-    if not any(v.meta.dtype == low for v in (*n.inputs, *n.outputs) if v.is_float):
+    convert it (`masked_fill`, `fill_`, `clamp`) or write an infinity. Only for fill ops (`_FILLS`) that
+    compute in `low` after the casts: in arithmetic (`x / 1e6` under fp16) the constant is an operand ATen
+    keeps in fp32, and stays. Infinities and NaN stay as they are."""
+    if n.target not in _FILLS or not any(v.meta.dtype == low for v in (*n.inputs, *n.outputs) if v.is_float):
         return
     top, f32 = torch.finfo(low).max, torch.finfo(torch.float32).max
 

@@ -179,3 +179,22 @@ def test_complex_views_compute_in_fp32_under_amp(amp):
     assert ((before - model.proj.weight.detach()) - ref.proj.weight.grad).norm() <= 0.05 * ref.proj.weight.grad.norm()
     complex_in = [n.args[0].meta.dtype for n in step.graph.nodes if n.target is aten.view_as_complex.default]
     assert complex_in and set(complex_in) == {torch.float32}
+
+
+def test_a_large_constant_in_arithmetic_is_kept_under_fp16():
+    """`x / 1e6` under fp16: the constant is an operand ATen computes with in fp32, never a fill value to
+    saturate (65504 would divide by the wrong number)."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return (self.lin(x) / 1e6 * 1e5).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(4, 8)
+    want = Scaled()
+    want.load_state_dict(model.state_dict())
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.0), amp="fp16")
+    assert torch.allclose(step(x), want(x), rtol=1e-2)
