@@ -138,7 +138,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable | None, args: tuple, kwarg
         with _training_config(model), _module_tracker(model, stack), _quiet_torch_logs(), \
                 functions.honour_autograd_functions(), _capturable_ctc(), _no_causal_mask_detection(), \
                 decomps.refuse_packed_sequences(), modes.refuse_no_grad_in_autocast(stack), \
-                hf.honour_autocast_off(), hf.eager_mask_decisions():
+                hf.honour_autocast_off(), hf.eager_mask_decisions(), modes.warn_rebound_buffers(model):
             ep = _export(wrapper, tensors, dynamic, stack)
         modes.detach_no_grad_regions(ep)
         modes.mark_autocast_off(ep)

@@ -12,10 +12,13 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
 from kiln.errors import UnsupportedError
+
+log = logging.getLogger("kiln")
 
 
 def detach_no_grad_regions(ep) -> None:
@@ -113,3 +116,31 @@ def refuse_no_grad_in_autocast(stack: list[str]):
         for cls, name, f in originals:
             setattr(cls, name, f)
 
+
+
+@contextlib.contextmanager
+def warn_rebound_buffers(model: torch.nn.Module):
+    """During capture: a forward that assigns one of its registered buffers a tensor of another shape (a
+    position table grown for a longer input: `self.pe = extend(...)`) gets a warning naming the buffer. The
+    compiled step computes with the new value, so its numbers are eager's, but it does not store it back:
+    the module's buffer keeps its old value (eager's holds the new one after the step)."""
+    owners = {id(m): path for path, m in model.named_modules()}
+    seen: set = set()
+    original = torch.nn.Module.__setattr__
+
+    def setattr_(self, name, value):
+        old = self.__dict__.get("_buffers", {}).get(name) if id(self) in owners else None
+        if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape != value.shape:
+            where = ".".join(p for p in (owners[id(self)], name) if p)
+            if where not in seen:
+                seen.add(where)
+                log.warning("kiln: the forward rebinds buffer `%s` to shape %s (was %s); the compiled step "
+                            "computes with the new value but does not store it: the module keeps the old one",
+                            where, tuple(value.shape), tuple(old.shape))
+        return original(self, name, value)
+
+    torch.nn.Module.__setattr__ = setattr_
+    try:
+        yield
+    finally:
+        torch.nn.Module.__setattr__ = original

@@ -104,3 +104,29 @@ def test_hugging_face_maybe_autocast_off_blocks_stay_in_fp32_under_amp():
     assert router.full_precision and {a.meta.dtype for a in router.inputs} == {torch.float32}
     assert (got["router.weight"] - ref.router.weight.grad).norm() <= 0.05 * ref.router.weight.grad.norm()
     assert generic.maybe_autocast("cpu", enabled=False).__class__.__name__ == "nullcontext"    # restored
+
+
+class GrowingTable(torch.nn.Module):
+    """A position table the forward grows for a longer input and stores back (seamless_m4t's conformer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("pe", torch.zeros(1, 4, 8))
+
+    def forward(self, x):
+        if x.shape[1] > self.pe.shape[1]:
+            self.pe = torch.sin(torch.arange(x.shape[1] * 8.0).reshape(1, x.shape[1], 8))
+        return (self.proj(x) + self.pe[:, : x.shape[1]]).square().mean()
+
+
+def test_a_rebound_buffer_is_warned_about_and_the_step_computes_with_it(caplog):
+    torch.manual_seed(0)
+    model, x = GrowingTable(), torch.randn(2, 6, 8)
+    ref = copy.deepcopy(model)
+    want = ref(x)
+    want.backward()
+    step, loss, got = _sgd_grads(model, x)
+    torch.testing.assert_close(loss, want.detach())
+    torch.testing.assert_close(got["proj.weight"], ref.proj.weight.grad)
+    assert "rebinds buffer `pe` to shape (1, 6, 8) (was (1, 4, 8))" in caplog.text
