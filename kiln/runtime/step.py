@@ -41,6 +41,19 @@ def _rng_untouched():
     return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else [])
 
 
+def _rng_state():
+    """The default generators' states (CPU, and CUDA once initialized)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.random.get_rng_state(), cuda
+
+
+def _set_rng_state(state) -> None:
+    cpu, cuda = state
+    torch.random.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def _check_leaf(x: Any) -> None:
     if not isinstance(x, (torch.Tensor, int, float, bool, str, type(None))):
         raise InputError(f"step() got an input of type {type(x).__name__}; pass tensors, Python numbers, "
@@ -208,13 +221,20 @@ class CompiledStep:
             base += (("accumulate", self.accumulate, self._update_now),)
         sizes = shapes.sizes_of(leaves)
         tried: list[Program] = []
+        rng = _rng_state()
         # several programs may serve these sizes (value-dependent branches compile one variant per way they
         # go): each is tried in turn, most recently used first; none left -> a new one for this batch
         while True:
             prog = next((p for p in self.cache.candidates(base, sizes) if p not in tried), None)
             fresh = prog is None
+            # the random numbers eager would draw for this step, for every attempt: a rejected variant drew
+            # some already (a layer-drop `if torch.rand([]) < p:`), and so may capture with real values, which
+            # must decide the branch on the same draws as the program then makes
+            if tried:
+                _set_rng_state(rng)
             if fresh:
                 prog = self._new_program(base, sizes, args, kwargs, leaves, names)
+                _set_rng_state(rng)
             tried.append(prog)
             self.last = prog
             self._last_leaves = leaves      # kiln.explain(step, profile=True) replays this batch

@@ -123,3 +123,38 @@ def test_a_value_dependent_shape_used_only_by_a_decision_is_checked_not_refused(
         torch.testing.assert_close(p, q.detach() - 0.1 * q.grad, rtol=1e-5, atol=1e-6)
     with pytest.raises(kiln.KilnError, match="same number of <eos> tokens"):
         step(x, torch.tensor([[0, 1, 1], [1, 0, 0], [0, 0, 1]]))
+
+
+class LayerDrop(nn.Module):
+    """A layer skipped when a random draw says so (LayerDrop, as in wav2vec2 and SeamlessM4T), then dropout:
+    when the draw takes the other branch, the variant for it must see the same random numbers as eager."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(8, 8), nn.Linear(8, 8), nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.a(x)
+        if not (self.training and torch.rand([]) < 0.5):
+            h = h + self.b(h)
+        return self.drop(h).square().mean()
+
+
+def test_a_branch_on_a_random_draw_trains_like_eager_across_variants():
+    torch.manual_seed(0)
+    model, x = LayerDrop(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.1))
+    for i in range(8):                       # seeds 100.. take both branches within the first 4 steps
+        torch.manual_seed(100 + i)
+        got = step(x)
+        torch.manual_seed(100 + i)
+        opt.zero_grad()
+        want = ref(x)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=0, msg=f"step {i}")
+    assert step.cache_info().compiles == 2
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[n], p, rtol=1e-5, atol=1e-7)
