@@ -130,3 +130,26 @@ def test_adamw_check_catches_a_wrong_weight_decay(llama):
     assert coverage.check_training(p_eager, b_eager, same, grads, 1.0) == (0.0, "")
     ratio, why = coverage.check_training(p_eager, b_eager, other, grads, 1.0)
     assert ratio > 1 and why.startswith("parameter")
+
+
+@pytest.mark.parametrize("error,outcome", [
+    ("step", "error"),              # a compiled step that failed while running: a Kiln bug
+    ("nonfinite", "wrong"),         # a non-finite loss where eager's is finite
+    ("unsupported", "refused"),     # a construct Kiln says it cannot train
+    ("raw", "error"),               # any other exception out of Kiln
+])
+def test_a_failure_out_of_kiln_gets_the_outcome_it_means(llama, error, outcome):
+    import kiln
+    from kiln.guards import NonFiniteError
+    e = {"step": kiln.StepError("the compiled training step failed in aten.masked_fill.Scalar"),
+         "nonfinite": NonFiniteError("the loss is nan"), "unsupported": kiln.UnsupportedError("x[mask]"),
+         "raw": RuntimeError("boom")}[error]
+    r = coverage.Result("llama", "LlamaForCausalLM", "causal_lm")
+    try:
+        raise e
+    except Exception as caught:         # noqa: BLE001 - record_failure reads the exception being handled
+        coverage.record_failure(r, caught, llama[0])
+    assert r.outcome == outcome and r.exception == type(e).__name__
+    r = coverage.Result("llama", "LlamaForCausalLM", "causal_lm")
+    coverage.record_failure(r, coverage.Unbuildable("no batch"))
+    assert r.outcome == "unbuildable"
