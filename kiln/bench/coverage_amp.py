@@ -15,13 +15,13 @@ Kiln keeps different ops in low precision than autocast does). Parameters whose 
 `SMALL` of the largest parameter's are not judged (both sides are rounding noise there), nor those where
 autocast's own error is over `IMPRECISE` (a sum that cancels, such as a BatchNorm weight's gradient in a
 small model: bf16 cannot resolve it, so no mixed-precision result can be judged by it; the report counts
-them); a parameter
-eager gives no gradient must not move. The loss is judged the same way. Where Kiln misses, autocast runs
-`ROUNDINGS` more times with every low-precision result moved by up to one unit in its last place (`_Reround`: another
-valid rounding, as another GEMM kernel would give): a model whose discrete choices (MoE routing over a
-handful of tokens, top-k) flip under that moves autocast itself, and Kiln is allowed FACTOR times the
-largest move (the entry is marked ill-conditioned). A wrong gradient is off by
-O(1); the bounds sit well below that and well above bf16 rounding.
+them); a parameter eager gives no gradient must not move. The loss is judged the same way.
+
+Where Kiln misses, autocast runs `ROUNDINGS` more times with every low-precision result moved by up to one
+unit in its last place (`_Reround`: another valid rounding, as another GEMM kernel would give): a model
+whose discrete choices (MoE routing over a handful of tokens, top-k) flip under that moves autocast
+itself, and Kiln is allowed FACTOR times the largest move (the entry is marked ill-conditioned). A wrong
+gradient is off by O(1); the bounds sit well below that and well above bf16 rounding.
 """
 from __future__ import annotations
 

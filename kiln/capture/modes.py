@@ -24,9 +24,9 @@ log = logging.getLogger("kiln")
 def detach_no_grad_regions(ep) -> None:
     """What the forward computes under `torch.no_grad()` carries no gradient. Export records such a block
     as a `wrap_with_set_grad_enabled(False, ...)` call, which decomposition inlines (and the fact with
-    it): each of its results is detached first, so autodiff sees where gradients stop. Blocks nested in
-    other blocks (`no_grad` inside `torch.autocast(...)`) live in the outer block's subgraph: every graph
-    module of the program is walked."""
+    it): each of its results is detached first, so autodiff sees where gradients stop. Every graph module
+    of the program is walked, so a block recorded inside another block's subgraph is detached too (a
+    `no_grad` inside `torch.autocast(...)` is not recorded at all: `refuse_no_grad_in_autocast`)."""
     wrap = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
     for gm in _graph_modules(ep):
         g, changed = gm.graph, False

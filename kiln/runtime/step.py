@@ -228,13 +228,12 @@ class CompiledStep:
             prog = next((p for p in self.cache.candidates(base, sizes) if p not in tried), None)
             fresh = prog is None
             # the random numbers eager would draw for this step, for every attempt: a rejected variant drew
-            # some already (a layer-drop `if torch.rand([]) < p:`), and so may capture with real values, which
-            # must decide the branch on the same draws as the program then makes
+            # some already (a layer-drop `if torch.rand([]) < p:`). Capture with real values then decides the
+            # branch on the same draws as the program makes, and gives back what it drew (`_rng_untouched`)
             if tried:
                 _set_rng_state(rng)
             if fresh:
                 prog = self._new_program(base, sizes, args, kwargs, leaves, names)
-                _set_rng_state(rng)
             tried.append(prog)
             self.last = prog
             self._last_leaves = leaves      # kiln.explain(step, profile=True) replays this batch
