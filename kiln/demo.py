@@ -115,6 +115,7 @@ def _compare(step, peer_model, args, batch, settle: float = 60.0, warmup: int = 
         peer()
     kiln_step = lambda: float(step(**batch))     # noqa: E731
     deadline = time.perf_counter() + settle
+    step.tune_now()                              # the tuned steady state is profiled: compile what it would
     for _ in range(warmup):
         kiln_step()
     while step.pending_tuning() and time.perf_counter() < deadline:

@@ -46,13 +46,15 @@ log = logging.getLogger("kiln")
 
 class Worker:
     """A background compilation of `jobs` ({key: (fx GraphModule, input metas)}) into `folder`, owned
-    and started by a `tuning.Tuner`. `before_start` (kept weakly when it is a bound method, so a worker
-    does not keep its owner alive) may drop jobs first."""
+    and started by a `tuning.Tuner`. `before_start` may drop jobs first; `ready` says whether it is worth
+    starting yet (the tuner asks after every step; None: at once). Both are kept weakly when they are bound
+    methods, so a worker does not keep its owner alive."""
 
     POLL_S = 0.25           # how often `finished()` asks the operating system
 
     def __init__(self, folder: Path, jobs: dict[str, tuple], before_start: Callable[[], None] | None = None):
         self.folder, self.jobs, self.before_start = folder, dict(jobs), before_start
+        self.ready: Callable[[], bool] | None = None
         self.started = 0.0
         self.seconds: float | None = None
         self.failure = ""                 # why it did not start (it is then finished, having stored nothing)
@@ -64,12 +66,25 @@ class Worker:
 
     @property
     def before_start(self) -> Callable[[], None] | None:
-        fn = self._before_start
-        return fn() if isinstance(fn, weakref.WeakMethod) else fn
+        return _deref(self._before_start)
 
     @before_start.setter
     def before_start(self, fn: Callable[[], None] | None) -> None:
-        self._before_start = weakref.WeakMethod(fn) if hasattr(fn, "__self__") and hasattr(fn, "__func__") else fn
+        self._before_start = _weak(fn)
+
+    @property
+    def ready(self) -> Callable[[], bool] | None:
+        return _deref(self._ready)
+
+    @ready.setter
+    def ready(self, fn: Callable[[], bool] | None) -> None:
+        self._ready = _weak(fn)
+
+    def worth_starting(self) -> bool:
+        """Whether to start now: its `ready` says so (a dead owner's worker never starts)."""
+        if isinstance(self._ready, weakref.WeakMethod) and self.ready is None:
+            return False
+        return self.ready is None or bool(self.ready())
 
     @property
     def keys(self) -> list[str]:
@@ -157,6 +172,38 @@ class Worker:
             self._done(time.perf_counter())
 
 
+def _weak(fn):
+    """A bound method as a weak reference (its object may be collected), anything else as it is."""
+    return weakref.WeakMethod(fn) if hasattr(fn, "__self__") and hasattr(fn, "__func__") else fn
+
+
+def _deref(ref):
+    return ref() if isinstance(ref, weakref.WeakMethod) else ref
+
+
+# What a worker costs the training (measured on 2 cores, docs/fusion-results.md): about 6 s of one core to
+# start (importing torch and Inductor, ~3.5 s; Inductor's check of the compiler's vector instructions,
+# ~2.75 s with an empty Inductor cache), then about 1-1.5 s per distinct region (code generation, g++).
+STARTUP_S = 6.0
+PER_JOB_S = 1.5
+
+
+def training_cost_s(jobs: int) -> float:
+    """Seconds of training a worker compiling `jobs` regions is expected to cost the steps it overlaps.
+    Where the training's threads fill every core, it lends the worker one (`_take_core`) and runs that much
+    slower meanwhile: the worker's time over the thread count (a Llama job of 5 regions on 2 cores: about
+    14 s of compiling, and its steps lost 7.4 s); with a core to spare, nothing."""
+    import torch
+    threads = torch.get_num_threads()
+    if threads < _cores():
+        return 0.0
+    return (STARTUP_S + PER_JOB_S * jobs) / max(threads, 1)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 class _Process:
     """The operating-system side of a worker: the process, the pipe whose EOF tells it the training is gone,
     and its anonymous log. Holds no reference to its `Worker`, so the worker's finalizer can stop it."""
@@ -227,8 +274,7 @@ def _take_core() -> None:
     global _lent, _lowered, _borrowers
     import torch
     threads = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if _lent is None and threads > 1 and threads >= cores:
+    if _lent is None and threads > 1 and threads >= _cores():
         _lent, _lowered = threads, threads - 1
         torch.set_num_threads(_lowered)
     _borrowers += 1

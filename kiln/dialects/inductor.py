@@ -22,7 +22,9 @@ beat. Each distinct region's ATen ops are therefore timed first (a region whose 
 0.1 ms cannot save a worthwhile amount and is not compiled), then its compiled kernel against them
 (interleaved medians on inputs of its shapes, cached beside the kernel, once per machine); it
 replaces them only when it takes at most 95 % of their time and saves at least 0.05 ms a call
-(`kiln.dialects.measure`; `KILN_KEEP=all` keeps every compiled region).
+(`kiln.dialects.measure`; `KILN_KEEP=all` keeps every compiled region). Tuning online (the default on CPU),
+regions not measured on this machine yet are compiled by a background worker and measured during training
+once that is worth its cost (`kiln/dialects/inductor_online.py`).
 """
 from __future__ import annotations
 
@@ -34,7 +36,6 @@ import logging
 import operator
 import time
 import types
-import weakref
 from pathlib import Path
 
 import torch
@@ -209,155 +210,8 @@ def compile_all(regions, tuner: tuning.Tuner) -> None:
         log.info("kiln: inductor: %d of %d distinct regions were not faster than their ATen ops here and stay "
                  "unfused (KILN_KEEP=all keeps them): %s", len(slower), len(by_key), ", ".join(slower))
     if pending:
-        _go_online(folder, pending, tuner)
-
-
-def _go_online(folder: Path, pending: dict[str, list], tuner: tuning.Tuner) -> None:
-    """Regions not measured here yet, tuning online: they run their ATen ops from the first step (timed);
-    a background worker compiles the kernels not in the cache; once it is done, each kernel is measured
-    against its ATen ops on the step's own calls and kept only if faster (`_Online`)."""
-    jobs = {key: job(group[0]) for key, group in pending.items() if not _cached(folder, key)}
-    worker = None
-    if jobs:
-        try:
-            worker = tuner.prepare(folder, jobs)
-        except Exception as exc:        # no background process: these regions keep their ATen ops
-            log.warning("kiln: inductor: cannot prepare the background compilation (%s: %s); %d regions run "
-                        "their ATen ops", type(exc).__name__, exc, len(jobs))
-            pending = {k: g for k, g in pending.items() if k not in jobs}
-        else:
-            log.info("kiln: inductor: %d distinct fused regions will be compiled in the background after the "
-                     "first step; they run their ATen ops until measured faster", len(jobs))
-    board = _Board(worker, len(pending), tuner)
-    for key, group in pending.items():
-        board.onlines[key] = _Online(key, group, folder, worker, board)
-        for r in group:
-            r.online = board.onlines[key]
-    if worker is not None:
-        worker.before_start = board.drop_cheap       # kept weakly: the worker does not keep the step alive
-    tuner.on_stop(board.stop)
-
-
-class _Board:
-    """What the online regions of one compilation came to, logged once all have settled."""
-
-    def __init__(self, worker, count: int, tuner: tuning.Tuner):
-        self.worker, self.left, self.kept, self.saved, self.other = worker, count, 0, 0.0, {}
-        self.onlines: dict[str, _Online] = {}
-        self._tuner = weakref.ref(tuner)
-
-    def stepped(self) -> bool:
-        """Whether the owning step has run a step (kernels found in the cache are loaded after it: loading
-        Inductor's runtime takes about 2 s, which the first step should not wait for)."""
-        tuner = self._tuner()
-        return tuner is not None and tuner.stepped
-
-    def busy(self) -> bool:
-        """Whether a trial should wait for a compiler (`tuning.busy`)."""
-        return tuning.busy(self._tuner())
-
-    def stop(self) -> None:
-        """The tuner stopped: every region still open keeps its ATen ops (not cached: nothing was decided)."""
-        for online in list(self.onlines.values()):
-            online._settle("stopped", None)
-
-    def drop_cheap(self) -> None:
-        """Before the worker starts: regions whose ATen ops took under 2 * MIN_SAVING_MS a call in the first
-        step cannot save a worthwhile amount: they settle as too cheap and are not compiled (the rule of
-        tuning ahead; first-step times are, if anything, too long, so no region is dropped unfairly)."""
-        if measure.keep() == "all":
-            return
-        for key, online in self.onlines.items():
-            if online.first and min(online.first) < 2 * measure.MIN_SAVING_MS and key in self.worker.jobs:
-                del self.worker.jobs[key]
-                online._settle("too cheap to compile", {"aten_ms": min(online.first)})
-
-    def settle(self, outcome: str, saved_ms: float = 0.0) -> None:
-        self.left -= 1
-        if outcome == "kept":
-            self.kept += 1
-            self.saved += saved_ms
-        else:
-            self.other[outcome] = self.other.get(outcome, 0) + 1
-        if self.left == 0:
-            rest = ", ".join(f"{n} {k}" for k, n in sorted(self.other.items()))
-            log.info("kiln: inductor: fused regions measured during training: %d kept (%.2f ms faster per call "
-                     "together)%s", self.kept, self.saved, f", {rest}" if rest else "")
-            if self.worker is not None:
-                self.worker.close()
-
-
-class _Online:
-    """One distinct region (all regions with its key) measured during training.
-
-    compiling: the regions run their ATen ops (timed in the first step: `_Board.drop_cheap`);
-    measuring: once the worker is done, the kernel is loaded and a `measure.Trial` alternates it with
-        the ATen ops; the result is stored like an ahead-of-time measurement (next runs decide at
-        compile time) and the faster one runs from then on."""
-
-    def __init__(self, key: str, regions: list, folder: Path, worker, board: _Board):
-        self.key, self.regions, self.folder, self.worker, self.board = key, regions, folder, worker, board
-        self.state = "compiling in the background" if worker is not None else "measuring"
-        self.kernel = None
-        self.first: list[float] = []          # ms of each call in the first step (before the worker starts)
-        self.trial = measure.Trial(("aten_ms", "compiled_ms"), self._measured, busy=board.busy)
-
-    def __call__(self, region, args):
-        if self.kernel is None and (self.worker.finished() if self.worker is not None else self.board.stepped()):
-            self._load(region)
-        if region.online is not self:        # settled just now: kept without measuring (KILN_KEEP=all), or failed
-            return region(*args)
-        if self.kernel is None:               # still compiling: the ATen ops (timed in the first step)
-            if self.board.stepped():
-                return region.reference(*args)
-            t = time.perf_counter()
-            out = region.reference(*args)
-            self.first.append((time.perf_counter() - t) * 1e3)
-            return out
-        out = self.trial.run({"aten_ms": lambda: region.reference(*args), "compiled_ms": lambda: region.run_kernel(args)},
-                             scale=region.scale(args))
-        if region.failed is not None:         # the kernel broke (logged by the region): nothing to measure
-            self._settle("failed", None, region.failed)
-        return out
-
-    def _load(self, region) -> None:
-        try:
-            source = _load_source(self.folder, self.key, codegen_facts())
-            if source is None:
-                raise RuntimeError(self.worker.errors() if self.worker is not None else "no kernel")
-            self.kernel = _load_kernel(source)
-        except Exception as exc:
-            lines = [line for line in str(exc).splitlines() if self.key in line] or str(exc).splitlines()[-1:]
-            log.warning("kiln: inductor could not compile fused region %s in the background (%s); its %d ops run "
-                        "unfused", region.name, lines[0] if lines else type(exc).__name__, len(region.nodes))
-            self._settle("failed", None, "compile")
-            return
-        for r in self.regions:
-            r.compiled = self.kernel
-        self.state = "measuring"
-        if measure.keep() == "all":
-            self._settle("kept", None)
-
-    def _measured(self, ms: dict) -> None:
-        self._settle("kept" if _worth_it(ms) else "not faster than ATen", ms)
-
-    def _settle(self, outcome: str, timing: dict | None, failed: str | None = None) -> None:
-        if self.regions[0].online is not self:
-            return
-        if timing is not None:
-            measure.write_atomic(self.folder, f"{self.key}.timing.json", json.dumps(timing))
-        keep = outcome == "kept"
-        for r in self.regions:
-            r.online = None
-            r.timing = timing or r.timing
-            r.failed = r.failed or failed
-            if not keep:
-                r.compiled = None
-        if timing is not None and "compiled_ms" in timing:
-            log.info("kiln: inductor: %s measured during training: %.3f ms, ATen %.3f ms: %s", self.regions[0].name,
-                     timing["compiled_ms"], timing["aten_ms"], "kept" if keep else "ATen kept")
-        saved = timing["aten_ms"] - timing["compiled_ms"] if keep and timing and "compiled_ms" in timing else 0.0
-        self.board.settle(outcome, saved * len(self.regions))
+        from kiln.dialects.inductor_online import go_online
+        go_online(folder, pending, tuner)
 
 
 def _worth_it(timing: dict) -> bool:

@@ -11,7 +11,7 @@ step only). Everything that lives on afterwards belongs to the tuner, never to a
 - `trials`: the live online measurements of measured kernels, by (cache folder, key), shared by the
   nodes of all the step's programs with that key;
 - `workers`: its background compilations (`background.Worker`), prepared at compile time and started
-  by `start()` after a step has run; `stepped`: whether one has;
+  by `start()` after a step has run, once worth it (`Worker.ready`); `stepped`: whether one has;
 - what to settle when stopped (the region dialect's boards: `on_stop`), and the per-step kernels.
 
 Lifecycle: `start()` (the step calls it after each successful step: prepared workers start),
@@ -43,6 +43,7 @@ class Tuner:
         self.trials: dict[tuple[str, str], object] = {}     # (cache folder, key) -> registry.Impl of a trial
         self.workers: list[background.Worker] = []          # prepared or running (finished ones until pruned)
         self.stepped = False
+        self.hurried = False                                 # `hurry()`: workers start without waiting
         self.closed = False
         self._on_stop: list[Callable[[], None]] = []
         self._kernels: dict[int, registry.Impl] = {}        # id(registry's Impl) -> this step's copy
@@ -132,17 +133,25 @@ class Tuner:
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """A step has run: start the prepared workers. One whose start fails is finished with nothing stored
+        """A step has run: start the prepared workers that are worth starting now (`Worker.ready`: the
+        region dialect waits until its regions' ATen ops have taken as long as compiling them would cost
+        the training; `hurry()` lifts that). One whose start fails is finished with nothing stored
         (`Worker.start`); an interrupt propagates, the workers after it starting at the next step."""
         self.stepped = True
         self.workers[:] = [w for w in self.workers if not (w.began and w.finished())]
         for w in list(self.workers):
-            if not w.began:
+            if not w.began and (self.hurried or w.worth_starting()):
                 w.start()
 
+    def hurry(self) -> None:
+        """Start every background compilation after the next step instead of when it has paid for itself
+        (a run known to be long, or a benchmark of the tuned steps)."""
+        self.hurried = True
+
     def busy(self) -> bool:
-        """Whether one of its workers is prepared or still compiling."""
-        return any(not w.finished() for w in list(self.workers))
+        """Whether one of its workers is compiling (a prepared one may wait for many steps to be worth
+        starting: its trials do not wait for it)."""
+        return any(w.began and not w.finished() for w in list(self.workers))
 
     def stop(self) -> None:
         """Stop its workers; the regions they compiled for, and those still measuring, keep their ATen ops
@@ -186,12 +195,10 @@ def _stop_workers(workers: list) -> None:
 
 
 def busy(owner: Tuner | None = None) -> bool:
-    """Whether a trial of `owner` should wait: one of its workers is prepared or compiling, or a worker of
-    another step of this process compiles. Its load on the cores would be timed too (`measure.Trial`
-    waits); process-wide on purpose, since the cores are shared by every step."""
-    if owner is not None and owner.busy():
-        return True
-    return any(w.began and not w.finished() for t in list(_tuners) if t is not owner for w in list(t.workers))
+    """Whether a trial of `owner` should wait: a worker of this process compiles. Its load on the cores
+    would be timed too (`measure.Trial` waits); process-wide on purpose, since the cores are shared by
+    every step."""
+    return any(t.busy() for t in list(_tuners) if t is not owner) or (owner is not None and owner.busy())
 
 
 @atexit.register

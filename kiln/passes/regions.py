@@ -181,7 +181,7 @@ def summary(regions: list[Region]) -> str:
 
     def fate(r: Region) -> str:
         if r.online is not None:
-            return r.online.state
+            return r.online.phase
         if r.compiled is not None:
             return "kept"
         if r.failed is not None:

@@ -530,8 +530,16 @@ class CompiledStep:
     def pending_tuning(self) -> list[str]:
         """What online tuning (`tuning="online"`, the default on CPU) still compiles or measures in the
         programs compiled so far, one line per distinct kernel choice: [] once every choice is made (the
-        steps from then on run the chosen kernels only). Benchmarks wait for this before timing steps."""
+        steps from then on run the chosen kernels only). Benchmarks call `tune_now()`, then wait for this
+        before timing steps."""
         return self.tuner.pending(self.cache.values())
+
+    def tune_now(self) -> None:
+        """Compile the fused regions in the background from the next step on. By default online tuning
+        waits until a region's ATen ops have taken as long as compiling it would cost the training (on a
+        machine whose cores the training fills), so a short run never pays more for a kernel than it
+        could save; a run known to be long, or a benchmark of the tuned steady state, need not wait."""
+        self.tuner.hurry()
 
     @property
     def programs(self) -> list[Program]:

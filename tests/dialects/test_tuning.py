@@ -149,11 +149,13 @@ def test_a_region_compiles_in_the_background_then_is_measured_and_cached(monkeyp
     want = _eager(g, tensors)
     tuner = tuning.Tuner()
     considered, region, fn = _compiled(g, tuner)
-    assert region.online is not None and region.online.state == "compiling in the background"
+    assert region.online is not None and region.online.state.startswith("waiting to be compiled")
     assert region.compiled is None
     for got, exp in zip(fn(*tensors), want):          # runs its ATen ops meanwhile
         torch.testing.assert_close(got, exp)
+    tuner.hurry()                                       # (without it, the worker waits: the test below)
     tuner.start()                                       # what the compiled step does after a step
+    assert region.online.state == "compiling in the background"
     deadline = time.monotonic() + 240
     while region.online is not None and time.monotonic() < deadline:
         for got, exp in zip(fn(*tensors), want):        # kernel or ATen ops, every call is right
@@ -184,8 +186,9 @@ def test_a_step_lists_what_it_still_tunes(monkeypatch, tmp_path):
     step(*args)
     regions = {r.online: r for r in step.last.regions if r.online is not None}
     assert regions
-    assert sorted(step.pending_tuning()) == sorted(f"fused region {r.name}: compiling in the background"
-                                                   for r in regions.values())
+    assert sorted(line.split(" (")[0] for line in step.pending_tuning()) == sorted(
+        f"fused region {r.name}: waiting to be compiled in the background until its ATen ops have taken as long "
+        "as compiling would cost" for r in regions.values())
     next(iter(regions)).worker.seconds = 1.0             # the worker is done, having stored nothing
     step(*args)                                          # each region reports it and keeps its ops
     assert step.pending_tuning() == []
@@ -227,6 +230,67 @@ def test_regions_the_first_step_shows_too_cheap_are_not_compiled(monkeypatch, tm
     assert region.online is None and region.compiled is None
     assert set(region.timing) == {"aten_ms"} and region.timing["aten_ms"] > 0
     assert json.loads((inductor.cache_dir() / f"{region.key}.timing.json").read_text()) == region.timing
+
+
+@pytest.mark.inductor
+def test_a_worker_starts_once_its_regions_ops_have_taken_what_compiling_would_cost(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_TUNING", "online")
+    monkeypatch.setattr(measure, "MIN_SAVING_MS", 0.0)          # not too cheap to compile, however fast
+    started = []
+    monkeypatch.setattr(background.Worker, "start", lambda self: started.append(self))
+    cost = [1e9]
+    monkeypatch.setattr(background, "training_cost_s", lambda jobs: cost[0] * jobs)
+    g, tensors = _layer_norm_chain()
+    tuner = tuning.Tuner()
+    _, region, fn = _compiled(g, tuner)
+    online = region.online
+    for _ in range(3):                                           # steps: the ATen ops run, timed
+        fn(*tensors)
+        tuner.start()
+    assert started == [] and online.spent_ms > 0 and len(online.first) == 1
+    assert online.state.startswith("waiting to be compiled") and "of 1000000000.0 s" in online.state
+    cost[0] = online.spent_ms / 1e3 * 1.5                        # ... not yet paid for
+    fn(*tensors)
+    tuner.start()
+    assert started == []
+    spent = online.spent_ms
+    while online.spent_ms < 1.5 * spent:                         # ... now it is
+        fn(*tensors)
+    tuner.start()
+    assert started == [online.worker]
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("how", ["hurry", "keep all"])
+def test_a_worker_starts_after_the_first_step_when_asked(monkeypatch, tmp_path, how):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_TUNING", "online")
+    if how == "keep all":
+        monkeypatch.setenv("KILN_KEEP", "all")
+    started = []
+    monkeypatch.setattr(background.Worker, "start", lambda self: started.append(self))
+    monkeypatch.setattr(background, "training_cost_s", lambda jobs: 1e9)
+    g, tensors = _layer_norm_chain()
+    tuner = tuning.Tuner()
+    _, region, fn = _compiled(g, tuner)
+    if how == "hurry":
+        tuner.hurry()
+    fn(*tensors)
+    tuner.start()
+    assert started == [region.online.worker]
+
+
+def test_what_a_worker_is_expected_to_cost_the_training(monkeypatch):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(background.os, "sched_getaffinity", lambda pid: {0, 1})
+        assert background.training_cost_s(4) == pytest.approx((background.STARTUP_S + 4 * background.PER_JOB_S) / 2)
+        monkeypatch.setattr(background.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+        assert background.training_cost_s(4) == 0.0                # a core to spare: compiling costs nothing
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_training_lends_a_core_to_a_worker_and_gets_it_back(monkeypatch):
