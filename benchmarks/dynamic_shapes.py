@@ -10,8 +10,12 @@ process on the same seeded model (the 4-layer bench model of kiln/bench/zoo.py, 
 max-len) and the same batches, with default settings: `torch.compile(model)` (it recompiles on the second
 shape, then goes dynamic), `kiln.compile(model, optimizer=...)` (a static program, then one dynamic program).
 Each mode starts with empty caches (Kiln's measurements and Inductor's code: a first run on this machine)
-unless --cache warm. Reported per mode: the whole run's wall time (compiles included), programs (graphs) compiled, the first
-step, the median step, and each step's loss against eager's (max relative difference).
+unless --cache warm. The modes take turns batch by batch (the order rotating every batch; each process waits
+for its turn, and a Kiln background compiler is paused outside Kiln's turns), so the machine's drift over the
+run (on a shared machine, runs of one mode alone varied by 8 %) falls on every mode alike; --sequential runs
+them one after another. Reported per mode: the time of the whole run's steps (compiles included), programs
+(graphs) compiled, the first step, the median step, and each step's loss against eager's (max relative
+difference).
 
 --static-check: in one process, Kiln's dynamic program against a static Kiln program and eager PyTorch at
 each given length, steps interleaved on the same batch after both Kiln programs finished tuning, medians of
@@ -25,6 +29,7 @@ import copy
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,17 +92,23 @@ def worker(args) -> dict:
             loss.backward()
             opt.step()
             return loss.item()
+    turn = _Turns(args.turn_fd, step_fn if mode == "kiln" else None) if args.turn_fd is not None else None
     usage = Usage()
     losses, times = [], []
     start = time.perf_counter()
     for i, (b, t) in enumerate(sizes):
         batch = make_batch(i, b, t, vocab)
+        if turn is not None:
+            turn.wait()
         t0 = time.perf_counter()
         losses.append(run(batch))
         times.append(time.perf_counter() - t0)
+        if turn is not None:
+            turn.done(times[-1])
         if args.progress and (i + 1) % 20 == 0:
-            print(f"  {mode}: {i + 1}/{len(sizes)} batches, {time.perf_counter() - start:.0f}s", file=sys.stderr)
-    total = time.perf_counter() - start
+            print(f"  {mode}: {i + 1}/{len(sizes)} batches, {sum(times):.0f}s", file=sys.stderr)
+    # interleaved: the process's own steps (the others ran between them); alone: the whole loop
+    total = sum(times) if turn is not None else time.perf_counter() - start
     resources = usage.stop()
     out = dict(mode=mode, total_s=total, first_step_s=times[0], median_step_s=statistics.median(times),
                step_s=times, losses=losses, lengths=[t for _, t in sizes], heap=heap.describe(), **resources)
@@ -111,6 +122,69 @@ def worker(args) -> dict:
         from torch._dynamo.utils import counters
         out["programs"] = int(counters["stats"]["unique_graphs"])
     return out
+
+
+class _Turns:
+    """A mode's side of the interleaved run: wait for the parent's go (a line on stdin) before each step,
+    answer on `fd` after it. A Kiln step's background compiler (if one runs) is stopped while the other
+    modes take their turns and continued for Kiln's own, so it loads the cores only while Kiln's steps
+    run, as it would in a process training alone."""
+
+    def __init__(self, fd: int, step=None):
+        self.answer, self.step = os.fdopen(fd, "w", buffering=1), step
+
+    def _signal(self, sig) -> None:
+        for w in (self.step.tuner.workers if self.step is not None else ()):
+            if w.proc is not None and w.proc.poll() is None:
+                try:
+                    os.killpg(w.proc.pid, sig)
+                except OSError:
+                    pass
+
+    def wait(self) -> None:
+        if not sys.stdin.readline():
+            sys.exit(1)                               # the parent is gone
+        self._signal(signal.SIGCONT)
+
+    def done(self, seconds: float) -> None:
+        self._signal(signal.SIGSTOP)
+        self.answer.write(f"{seconds}\n")
+
+
+def interleaved(modes: list[str], args, envs: dict) -> dict:
+    """Every mode in its own process, taking turns batch by batch (the order rotating each batch), so that
+    the machine's drift over the run falls on all modes alike; returns each mode's results."""
+    procs, answers, outs = {}, {}, {}
+    for mode in modes:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            outs[mode] = f.name
+        read, write = os.pipe()
+        cmd = [sys.executable, __file__, "--worker", mode, "--out", outs[mode], "--turn-fd", str(write)] + [
+            a for a in sys.argv[1:] if not a.startswith("--json") and a != args.json]
+        procs[mode] = subprocess.Popen(cmd, env=envs[mode], stdin=subprocess.PIPE, text=True, pass_fds=(write,))
+        os.close(write)
+        answers[mode] = os.fdopen(read)
+    alive = list(modes)
+    for i in range(args.batches):
+        for mode in (alive[i % len(alive):] + alive[:i % len(alive)]):
+            try:
+                procs[mode].stdin.write("go\n")
+                procs[mode].stdin.flush()
+                ok = bool(answers[mode].readline())
+            except (BrokenPipeError, OSError):
+                ok = False
+            if not ok:
+                print(f"{mode} failed at batch {i} (exit {procs[mode].wait()})", file=sys.stderr)
+                alive.remove(mode)
+        if args.progress and (i + 1) % 20 == 0:
+            print(f"  {i + 1}/{args.batches} batches", file=sys.stderr)
+    results = {}
+    for mode in modes:
+        if mode in alive and procs[mode].wait() == 0:
+            with open(outs[mode]) as f:
+                results[mode] = json.load(f)
+        os.unlink(outs[mode])
+    return results
 
 
 def static_check(args) -> list[dict]:
@@ -138,6 +212,8 @@ def static_check(args) -> list[dict]:
             opt.step()
         steps = {"dynamic": lambda: dyn(**batch), "static": lambda: static(**batch), "eager": eager}
         deadline = time.perf_counter() + args.settle
+        dyn.tune_now()                              # the tuned programs are compared: compile their kernels now
+        static.tune_now()
         while time.perf_counter() < deadline:       # both tune online on this length: run until settled
             for fn in (steps["dynamic"], steps["static"]):
                 fn()
@@ -186,7 +262,11 @@ def main() -> int:
                    help="glibc's heap in the eager and torch.compile processes: system (default, as they run "
                         "unless told) or keep (what Kiln's default $KILN_HEAP=keep sets: freed memory stays in "
                         "the process; a like-for-like run, see docs/memory.md)")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the modes one after another instead of taking turns batch by batch (each mode then "
+                        "meets the machine's load of its own time: ratios drift with it)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--turn-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.min_len < 2 or args.max_len < args.min_len:
@@ -204,26 +284,33 @@ def main() -> int:
         report = dict(env, static_check=rows)
     else:
         results = {}
-        for mode in args.modes.split(","):
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-                out = f.name
-            cmd = [sys.executable, __file__, "--worker", mode, "--out", out] + [
-                a for a in sys.argv[1:] if not a.startswith("--json") and a != args.json]
-            print(f"{mode}: {args.batches} batches of lengths {args.min_len}..{args.max_len}...", file=sys.stderr)
-            with tempfile.TemporaryDirectory(prefix="kiln-dyn-cache-") as scratch:
-                child = dict(os.environ)
-                if args.cache == "cold":
-                    child.update(KILN_CACHE_DIR=os.path.join(scratch, "kiln"),
-                                 TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"))
+        modes = args.modes.split(",")
+        with tempfile.TemporaryDirectory(prefix="kiln-dyn-cache-") as scratch:
+            envs = {}
+            for mode in modes:
+                child = envs[mode] = dict(os.environ)
+                if args.cache == "cold":            # each mode its own empty caches
+                    child.update(KILN_CACHE_DIR=os.path.join(scratch, mode, "kiln"),
+                                 TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, mode, "inductor"))
                 if mode != "kiln" and args.baseline_heap == "keep":
                     child.update(heap.KEEP_ENV)
-                proc = subprocess.run(cmd, env=child)
-            if proc.returncode:
-                print(f"{mode} failed (exit {proc.returncode})", file=sys.stderr)
-                continue
-            with open(out) as f:
-                results[mode] = json.load(f)
-            os.unlink(out)
+            if not args.sequential:
+                print(f"{', '.join(modes)}: {args.batches} batches of lengths {args.min_len}..{args.max_len}, "
+                      "taking turns...", file=sys.stderr)
+                results = interleaved(modes, args, envs)
+            for mode in modes if args.sequential else ():
+                with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                    out = f.name
+                cmd = [sys.executable, __file__, "--worker", mode, "--out", out] + [
+                    a for a in sys.argv[1:] if not a.startswith("--json") and a != args.json]
+                print(f"{mode}: {args.batches} batches of lengths {args.min_len}..{args.max_len}...", file=sys.stderr)
+                proc = subprocess.run(cmd, env=envs[mode])
+                if proc.returncode:
+                    print(f"{mode} failed (exit {proc.returncode})", file=sys.stderr)
+                    continue
+                with open(out) as f:
+                    results[mode] = json.load(f)
+                os.unlink(out)
         eager = results.get("eager")
         print(f"\n{'mode':8} {'total':>9} {'programs':>8} {'1st step':>9} {'median':>8} {'vs eager loss':>14} "
               f"{'sys CPU':>8} {'peak RSS':>9}")
