@@ -14,7 +14,7 @@ step only). Everything that lives on afterwards belongs to the tuner, never to a
   by `start()` after a step has run, once worth it (`Worker.ready`); `stepped`: whether one has;
 - what to settle when stopped (the region dialect's boards: `on_stop`), and the per-step kernels.
 
-Lifecycle: `start()` (the step calls it after each successful step: prepared workers start),
+Lifecycle: `start()` (the step calls it after each successful step: prepared workers start once worth it),
 `stop()` (workers stopped; their regions settle on their ATen ops, nothing left pending; trials go
 on), `close()` (stop, and every open trial settles on ATen without caching; idempotent). A tuner is
 closed by `CompiledStep.close()`; its workers are stopped when it is garbage collected and at
