@@ -25,6 +25,7 @@ program that serves every length as fast as one compiled for that length?).
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import json
 import os
@@ -132,6 +133,7 @@ class _Turns:
 
     def __init__(self, fd: int, step=None):
         self.answer, self.step = os.fdopen(fd, "w", buffering=1), step
+        atexit.register(self._signal, signal.SIGCONT)     # never leave a compiler stopped behind
 
     def _signal(self, sig) -> None:
         for w in (self.step.tuner.workers if self.step is not None else ()):

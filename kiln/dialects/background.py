@@ -81,10 +81,9 @@ class Worker:
         self._ready = _weak(fn)
 
     def worth_starting(self) -> bool:
-        """Whether to start now: its `ready` says so (a dead owner's worker never starts)."""
-        if isinstance(self._ready, weakref.WeakMethod) and self.ready is None:
-            return False
-        return self.ready is None or bool(self.ready())
+        """Whether to start now: its `ready` says so, or there is none (a dead owner's worker never starts)."""
+        ready = self.ready
+        return bool(ready()) if ready is not None else not isinstance(self._ready, weakref.WeakMethod)
 
     @property
     def keys(self) -> list[str]:

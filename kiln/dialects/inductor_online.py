@@ -96,14 +96,18 @@ class _Board:
         KILN_KEEP=all (every region wanted, whatever it saves) starts at once."""
         if measure.keep() == "all":
             return True
-        waiting = self._to_compile()
-        return not waiting or sum(o.spent_ms for o in waiting) / 1e3 >= background.training_cost_s(len(waiting))
+        spent, cost = self._spent_and_cost()
+        return spent >= cost
 
     def waited(self) -> str:
         """How far the worker is from being worth starting, for `pending_tuning()`."""
+        return "{:.1f} s of {:.1f} s".format(*self._spent_and_cost())
+
+    def _spent_and_cost(self) -> tuple[float, float]:
+        """Seconds the regions still to compile have spent in their ATen ops, and what compiling them costs
+        (nothing to compile: nothing to wait for)."""
         waiting = self._to_compile()
-        return (f"{sum(o.spent_ms for o in waiting) / 1e3:.1f} s of "
-                f"{background.training_cost_s(len(waiting)):.1f} s")
+        return sum(o.spent_ms for o in waiting) / 1e3, background.training_cost_s(len(waiting)) if waiting else 0.0
 
     def settle(self, outcome: str, saved_ms: float = 0.0) -> None:
         self.left -= 1
@@ -123,7 +127,9 @@ class _Board:
 class _Online:
     """One distinct region (all regions with its key) measured during training.
 
-    compiling: the regions run their ATen ops (timed in the first step: `_Board.drop_cheap`);
+    waiting to be compiled: the regions run their ATen ops, timed (`spent_ms`, for `_Board.paid_for`; the
+        first step's calls also for `_Board.drop_cheap`);
+    compiling in the background: the ATen ops, untimed;
     measuring: once the worker is done, the kernel is loaded and a `measure.Trial` alternates it with
         the ATen ops; the result is stored like an ahead-of-time measurement (next runs decide at
         compile time) and the faster one runs from then on."""
