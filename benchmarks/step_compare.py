@@ -57,11 +57,21 @@ def make_mode(name, model, ids):
     """A zero-argument function running one training step of `model` in mode `name`."""
     if name.startswith("kiln"):
         # "-no<dialect>" leaves that dialect out ("-nofuse": `kiln`, so nothing is fused into Kiln's kernels)
+        # "-nonative": Kiln's kernels run as ATen compositions (KILN_NATIVE=0 around each of this mode's steps)
         off = {"kiln" if part == "nofuse" else part[2:] for part in name.split("-")[1:] if part.startswith("no")}
+        native = "native" not in off
+        off.discard("native")
         dialects = [d for d in kiln_dialects.enabled() if d not in off] if off else None
         step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-4, weight_decay=0.01),
                             amp="bf16" if "-bf16" in name else None, dialects=dialects)
-        run = lambda: step(input_ids=ids, labels=ids)       # noqa: E731
+
+        def run():
+            before = os.environ.get("KILN_NATIVE")
+            os.environ["KILN_NATIVE"] = "1" if native else "0"
+            try:
+                return step(input_ids=ids, labels=ids)
+            finally:
+                os.environ.pop("KILN_NATIVE") if before is None else os.environ.__setitem__("KILN_NATIVE", before)
         run.step = step
         return run
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
@@ -83,7 +93,7 @@ def _valid_mode(name: str) -> bool:
     if base not in ("eager", "compile", "kiln"):
         return False
     for part in parts:
-        if part == "bf16" or (base == "kiln" and part == "nofuse"):
+        if part == "bf16" or (base == "kiln" and part in ("nofuse", "nonative")):
             continue
         if base != "kiln" or not part.startswith("no") or part[2:] not in kiln_dialects.enabled():
             return False
@@ -99,7 +109,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["llama", "gpt2", "bert"], default="llama")
     p.add_argument("--modes", default="eager,kiln", help="comma list of eager, compile (torch.compile), kiln, each with an optional -bf16; "
-                   "kiln modes also take -no<dialect> (-noinductor, -nokiln; -nofuse = -nokiln)")
+                   "kiln modes also take -no<dialect> (-noinductor, -nokiln; -nofuse = -nokiln) and -nonative (Kiln's "
+                   "kernels as ATen compositions instead of their native single-pass loops)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)

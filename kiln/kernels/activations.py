@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kiln.kernels import native
 from kiln.kernels._common import gpu_impl, rows
 
 aten = torch.ops.aten
@@ -26,7 +27,45 @@ def _check_pair(gate: Tensor, up: Tensor) -> None:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
 
 
+def _matrix(t: Tensor) -> Tensor | None:
+    """t as (rows, cols) with a dense last dimension and one row stride (a view), or None."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def _swiglu_native(gate: Tensor, up: Tensor, grad: Tensor | None = None, out: tuple = ()):
+    """native.c's single pass: the forward (grad None) into a new contiguous tensor, or the backward into
+    `out` (grad_gate, grad_up; new ones when not given). None where it does not apply."""
+    lib = native.usable(gate, up, grad)
+    cols = gate.shape[-1] if gate.dim() else 0
+    if lib is None or gate.numel() == 0 or cols == 0:
+        return None
+    if grad is None:
+        out = (torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype)),)
+    elif not out:
+        out = (torch.empty(gate.shape, dtype=gate.dtype), torch.empty(up.shape, dtype=up.dtype))
+    mats = [_matrix(t) for t in (gate, up, *((grad,) if grad is not None else ()), *out)]
+    if any(m is None for m in mats):
+        return None
+    n = mats[0].shape[0]
+    args = []
+    for m in mats:
+        args += [m.data_ptr(), native.code(m), m.stride(0)]
+    fn = lib.kiln_swiglu if grad is None else lib.kiln_swiglu_backward
+    if grad is not None:                       # the C order: grad, gate, up, grad_gate, grad_up
+        args = args[6:9] + args[:6] + args[9:]
+    native.check(fn(*args, n, cols, native.threads()), "swiglu")
+    return out[0] if grad is None else out
+
+
 def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    done = _swiglu_native(gate, up)
+    if done is not None:
+        return done
     out = F.silu(gate).contiguous()
     return out.mul_(up) if out.dtype == torch.promote_types(out.dtype, up.dtype) else out * up
 
@@ -53,6 +92,9 @@ def swiglu_backward_op(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, 
     impl = gpu_impl("swiglu_backward", gate)
     if impl is not None:
         return impl(grad, gate, up)
+    done = _swiglu_native(gate, up, grad) if grad.shape == gate.shape else None
+    if done is not None:
+        return done
     grad_gate = torch.mul(grad, up).to(gate.dtype).contiguous()
     aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
     grad_up = F.silu(gate).to(up.dtype).contiguous()
@@ -120,9 +162,10 @@ def swiglu_linear_backward_op(grad: Tensor, x: Tensor, gate_weight: Tensor, up_w
     gate, up = gu[:, :inter], gu[:, inter:]
     d = torch.empty_like(gu)                           # [d gate | d up], written in place below
     d_gate, d_up = d[:, :inter], d[:, inter:]
-    torch.mul(g, up, out=d_gate)
-    aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
-    aten.silu.out(gate, out=d_up).mul_(g)
+    if _swiglu_native(gate, up, g, (d_gate, d_up)) is None:
+        torch.mul(g, up, out=d_gate)
+        aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
+        aten.silu.out(gate, out=d_up).mul_(g)
     # two accumulating GEMMs instead of one over re-stacked weights: no (2I x H) copy
     grad_x = torch.mm(d_gate, gate_weight).addmm_(d_up, up_weight).reshape(x.shape)
     grad_gw = torch.mm(d_gate.t(), x2)

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kiln.kernels import native
 from kiln.kernels._common import acc_dtype, empty_like_absent, gpu_impl
 
 aten = torch.ops.aten
@@ -36,12 +37,42 @@ def _rms_forward(s: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]
     return out.to(torch.promote_types(s.dtype, weight.dtype)).contiguous(), rstd
 
 
+def _rms_native(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float):
+    """(out, sum or None, rstd) by native.c's single pass for half-type inputs, or None.
+
+    A float32 sum runs the ATen composition: its statistics are eager's own (`s.pow(2).mean(-1)`, so the
+    output is bitwise eager's `s * rsqrt(mean(s^2) + eps) * w`). Any other summation order rounds rstd
+    differently, and an ill-conditioned weight gradient (cpmant's) amplified the single pass's rounding to
+    3e-5 of its largest entry beyond eager's own float32 error against float64 (1.2e-5 with eager's
+    statistics); computing them in ATen first left the single pass nothing to save. Half-type sums, rounded
+    far more coarsely, are reduced in double."""
+    d = x.shape[-1] if x.dim() else 0
+    s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    lib = native.usable(x, residual, weight) if s_dtype != torch.float32 else None
+    if lib is None or not 0 < d <= native.ROW_MAX or weight.numel() != d:
+        return None
+    x, w = x.contiguous(), weight.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    s = torch.empty(x.shape, dtype=s_dtype) if residual is not None else None
+    out = torch.empty(x.shape, dtype=torch.promote_types(s_dtype, weight.dtype))
+    rstd = torch.empty(_stat_shape(x), dtype=torch.float32)
+    native.check(lib.kiln_rms_forward(
+        x.data_ptr(), native.code(x), native.ptr(residual), native.code(residual) if s is not None else 0,
+        w.data_ptr(), native.code(w), out.data_ptr(), native.code(out), native.ptr(s),
+        native.code(s) if s is not None else 0, rstd.data_ptr(), x.numel() // d, d, float(eps), native.threads()),
+        "rms_norm")
+    return out, s, rstd
+
+
 @torch.library.custom_op("kiln::rms_norm", mutates_args=())
 def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(out, rstd): RMSNorm of x over the last dimension; rstd is fp32 (fp64 for fp64 x), shape (..., 1)."""
     impl = gpu_impl("rms_norm", x)
     if impl is not None:
         return impl(x, weight, eps)
+    done = _rms_native(x, None, weight, eps)
+    if done is not None:
+        return done[0], done[2]
     return _rms_forward(x, weight, eps)
 
 
@@ -58,6 +89,9 @@ def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> 
     if impl is not None:
         return impl(x, residual, weight, eps)
     _same_shape(x, residual)
+    done = _rms_native(x, residual, weight, eps)
+    if done is not None:
+        return done
     s = torch.add(x, residual).contiguous()
     out, rstd = _rms_forward(s, weight, eps)
     return out, s, rstd
@@ -82,6 +116,9 @@ def rms_norm_backward_op(grad_out: Optional[Tensor], grad_sum: Optional[Tensor],
     if grad_out is None:
         gi = grad_sum.to(input.dtype, copy=True) if grad_sum is not None else torch.zeros_like(input)
         return gi.contiguous(), torch.zeros_like(weight)
+    done = _rms_backward_native(grad_out, grad_sum, input, weight, rstd)
+    if done is not None:
+        return done
     acc = torch.promote_types(acc_dtype(input.dtype), weight.dtype)
     d = input.shape[-1]
     sf, gf = input.to(acc), grad_out.to(acc)
@@ -98,6 +135,27 @@ def rms_norm_backward_op(grad_out: Optional[Tensor], grad_sum: Optional[Tensor],
     if grad_sum is not None:
         grad = grad.add_(grad_sum)
     return grad.to(input.dtype).contiguous(), grad_weight.reshape(weight.shape)
+
+
+def _rms_backward_native(grad_out: Tensor, grad_sum: Optional[Tensor], input: Tensor, weight: Tensor,
+                         rstd: Tensor):
+    """(grad_input, grad_weight) by native.c's single pass, or None where it does not apply."""
+    d = input.shape[-1] if input.dim() else 0
+    lib = native.usable(grad_out, grad_sum, input, weight)
+    if (lib is None or not 0 < d <= native.ROW_MAX or weight.numel() != d or rstd.dtype != torch.float32
+            or grad_out.shape != input.shape or (grad_sum is not None and grad_sum.shape != input.shape)):
+        return None
+    g, s, w, k = grad_out.contiguous(), input.contiguous(), weight.contiguous(), rstd.contiguous()
+    gs = grad_sum.contiguous() if grad_sum is not None else None
+    gi = torch.empty(input.shape, dtype=input.dtype)
+    gw = torch.empty(weight.shape, dtype=weight.dtype)
+    n = native.threads()
+    partial = torch.empty(n * d, dtype=torch.float64)
+    native.check(lib.kiln_rms_backward(
+        g.data_ptr(), native.code(g), native.ptr(gs), native.code(gs) if gs is not None else 0, s.data_ptr(),
+        native.code(s), w.data_ptr(), native.code(w), k.data_ptr(), gi.data_ptr(), native.code(gi), gw.data_ptr(),
+        native.code(gw), partial.data_ptr(), input.numel() // d, d, n), "rms_norm_backward")
+    return gi, gw
 
 
 @rms_norm_backward_op.register_fake

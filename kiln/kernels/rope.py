@@ -9,9 +9,12 @@ needs only cos and sin: nothing of q or k is saved (unless cos/sin themselves re
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
 
+from kiln.kernels import native
 from kiln.kernels._common import gpu_impl
 
 
@@ -28,9 +31,41 @@ def _out_dtype(t: Tensor, cos: Tensor, sin: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(t.dtype, cos.dtype), sin.dtype)
 
 
+def _leading3(t: Tensor, sizes: tuple) -> list[int] | None:
+    """t's strides over `sizes` (t's leading dimensions, at most 3), padded in front to 3; None: more than 3."""
+    lead = len(sizes)
+    if lead > 3:
+        return None
+    return [0] * (3 - lead) + list(t.stride()[:lead])
+
+
+def _rotate_native(t: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor | None:
+    """native.c's single pass over t's rows (any layout with a dense last dimension), or None."""
+    d = t.shape[-1] if t.dim() else 0
+    lib = native.usable(t, cos, sin)
+    if (lib is None or not 0 < d <= native.ROW_MAX or t.numel() == 0 or cos.dtype != sin.dtype
+            or t.stride(-1) != 1):
+        return None
+    c, s = cos.expand(t.shape), sin.expand(t.shape)
+    out = torch.empty_like(t, dtype=_out_dtype(t, cos, sin))      # t's layout (the fake gives the same)
+    lead = t.shape[:-1]
+    strides = [_leading3(x, lead) for x in (t, c, out)]
+    if None in strides or c.stride() != s.stride() or c.stride(-1) != 1 or out.stride(-1) != 1:
+        return None
+    sizes = [1] * (3 - len(lead)) + list(lead)
+    arrays = [(ctypes.c_int64 * 3)(*v) for v in (*strides, sizes)]
+    native.check(lib.kiln_rope(t.data_ptr(), native.code(t), arrays[0], c.data_ptr(), s.data_ptr(), native.code(c),
+                               arrays[1], out.data_ptr(), native.code(out), arrays[2], arrays[3], d,
+                               int(sign < 0), native.threads()), "rope")
+    return out
+
+
 def _rotate(t: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
     """t * cos + sign * rotate_half(t) * sin with rotate_half's halves written in place;
     sign=-1 applies the transpose (the backward)."""
+    done = _rotate_native(t, cos, sin, sign)
+    if done is not None:
+        return done
     h = t.shape[-1] // 2
     out = torch.empty_like(t, dtype=_out_dtype(t, cos, sin))
     torch.mul(t, cos, out=out)

@@ -1,0 +1,321 @@
+/* Kiln's single-pass CPU loops for the elementwise kernels (kiln/kernels/native.py builds and loads this).
+ *
+ * Each kernel walks its rows once: a row is read (converted to fp32 in a small buffer when it is bf16),
+ * computed in fp32 and written in its output dtype, rounded once. The ATen compositions in norms.py,
+ * rope.py and activations.py read and write every full-size temporary again; these loops do not.
+ *
+ * Plain C with no torch headers: it compiles in about a second. Rows are split over OpenMP threads, the
+ * same OpenMP runtime torch uses (libgomp.so.1, already loaded by torch). Reductions over a row or over
+ * rows accumulate in double; the rows each thread takes are fixed by the thread count, and per-thread
+ * partial sums are added in thread order, so results do not depend on timing.
+ *
+ * dtype codes: 0 float32, 1 bfloat16.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define F32 0
+#define BF16 1
+#define ROW_MAX 8192 /* the Python side sends longer rows to ATen */
+
+/* ---- bf16 <-> fp32, as ATen converts (round to nearest even, NaN stays NaN) ---------------------- */
+static inline void load(float *restrict dst, const void *restrict src, int dt, int64_t n) {
+    if (dt == F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)s[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        dst[i] = f;
+    }
+}
+
+static inline void store(void *restrict dst, int dt, const float *restrict src, int64_t n) {
+    if (dt == F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &src[i], 4);
+        uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        d[i] = (uint16_t)(src[i] != src[i] ? 0x7FC0u : rounded);
+    }
+}
+
+/* x rounded to the precision of dt, in place (the value a tensor of that dtype would hold) */
+static inline void round_to(float *restrict x, int dt, int64_t n) {
+    if (dt == F32) return;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        uint32_t r = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16;
+        float f;
+        memcpy(&f, &r, 4);
+        x[i] = x[i] != x[i] ? x[i] : f;
+    }
+}
+
+static inline size_t esize(int dt) { return dt == F32 ? 4 : 2; }
+
+/* element `at` of an array of dtype dt */
+static inline const void *elem(const void *base, int dt, int64_t at) {
+    return (const char *)base + (size_t)at * esize(dt);
+}
+
+static inline void *elem_out(void *base, int dt, int64_t at) { return (char *)base + (size_t)at * esize(dt); }
+
+/* n values at src as fp32: src itself when it is fp32, else converted into buf */
+static inline const float *in_row(float *buf, const void *src, int dt, int64_t n) {
+    if (dt == F32) return (const float *)src;
+    load(buf, src, dt, n);
+    return buf;
+}
+
+/* where to compute an output row: the destination itself when it is fp32, else buf (then `out_done`) */
+static inline float *out_row(float *buf, void *dst, int dt) { return dt == F32 ? (float *)dst : buf; }
+
+static inline void out_done(void *dst, int dt, const float *buf, int64_t n) {
+    if (dt != F32) store(dst, dt, buf, n);
+}
+
+/* this thread's share [lo, hi) of n items (contiguous, fixed by the thread count) */
+static inline void share(int64_t n, int64_t *lo, int64_t *hi) {
+    int64_t me = 0, all = 1;
+#ifdef _OPENMP
+    me = omp_get_thread_num();
+    all = omp_get_num_threads();
+#endif
+    *lo = n * me / all;
+    *hi = n * (me + 1) / all;
+}
+
+/* ---- exp with plain arithmetic (vectorizes; within 2 ulp of expf over the range that matters) ---- */
+static inline float exp_approx(float x) {
+    x = x < -87.3f ? -87.3f : x;               /* 2^n stays a normal number (fminf/fmaxf would not vectorize; */
+    x = x > 88.3f ? 88.3f : x;                 /* NaN passes through these compares unchanged) */
+    /* n = round(x / ln 2) by the 1.5 * 2^23 trick (floorf would keep the loop from vectorizing) */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = fmaf(n, -0.693359375f, x);      /* ln 2 split in two: r = x - n ln2, exact high part */
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p * r, r, r) + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return p * scale;
+}
+
+/* ---- RMSNorm ---------------------------------------------------------------------------------------
+ * s = x (+ residual, rounded to sum_dt when the sum is written); rstd = 1/sqrt(mean(s^2) + eps);
+ * out = s * rstd * weight. Contiguous rows x d. Python sends only half-type sums here (see norms.py). */
+int kiln_rms_forward(const void *x, int x_dt, const void *res, int res_dt, const void *w, int w_dt, void *out,
+                     int out_dt, void *sum, int sum_dt, float *rstd, int64_t rows, int64_t d, double eps,
+                     int threads) {
+    if (d > ROW_MAX) return -1;
+    float wbuf[ROW_MAX];
+    const float *wf = in_row(wbuf, w, w_dt, d);
+#pragma omp parallel num_threads(threads)
+    {
+        float sb[ROW_MAX], tb[ROW_MAX], ob[ROW_MAX];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *s = in_row(sb, elem(x, x_dt, r * d), x_dt, d);
+            if (res) {
+                const float *t = in_row(tb, elem(res, res_dt, r * d), res_dt, d);
+                float *sum_row = out_row(sb, elem_out(sum, sum_dt, r * d), sum_dt);
+#pragma omp simd
+                for (int64_t j = 0; j < d; j++) sum_row[j] = s[j] + t[j];
+                round_to(sum_row, sum_dt, d);
+                out_done(elem_out(sum, sum_dt, r * d), sum_dt, sum_row, d);
+                s = sum_row;
+            }
+            double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t j = 0; j < d; j++) acc += (double)s[j] * (double)s[j];
+            float k = 1.0f / sqrtf((float)(acc / (double)d) + (float)eps);
+            rstd[r] = k;
+            float *o = out_row(ob, elem_out(out, out_dt, r * d), out_dt);
+#pragma omp simd
+            for (int64_t j = 0; j < d; j++) o[j] = s[j] * k * wf[j];
+            out_done(elem_out(out, out_dt, r * d), out_dt, o, d);
+        }
+    }
+    return 0;
+}
+
+/* grad_s = rstd * (g*w - s * rstd^2 * dot / d) (+ grad_sum), dot = sum_j g w s; grad_w = sum_rows g s rstd.
+ * partial: threads x d doubles of scratch. */
+int kiln_rms_backward(const void *g, int g_dt, const void *gsum, int gsum_dt, const void *s_in, int s_dt,
+                      const void *w, int w_dt, const float *rstd, void *gi, int gi_dt, void *gw, int gw_dt,
+                      double *partial, int64_t rows, int64_t d, int threads) {
+    if (d > ROW_MAX) return -1;
+    float wbuf[ROW_MAX];
+    const float *wf = in_row(wbuf, w, w_dt, d);
+    memset(partial, 0, sizeof(double) * (size_t)threads * (size_t)d);
+#pragma omp parallel num_threads(threads)
+    {
+        float gb[ROW_MAX], sb[ROW_MAX], hb[ROW_MAX], ob[ROW_MAX];
+        int64_t lo, hi;
+        share(rows, &lo, &hi);
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        double *acc_w = partial + (size_t)me * (size_t)d;
+        for (int64_t r = lo; r < hi; r++) {
+            const float *gr = in_row(gb, elem(g, g_dt, r * d), g_dt, d);
+            const float *sr = in_row(sb, elem(s_in, s_dt, r * d), s_dt, d);
+            float k = rstd[r];
+            double dot = 0.0;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t j = 0; j < d; j++) {
+                float p = gr[j] * sr[j];
+                dot += (double)p * (double)wf[j];
+                acc_w[j] += (double)p * (double)k;
+            }
+            float coef = (float)(dot * (double)k * (double)k / (double)d);
+            float *t = out_row(ob, elem_out(gi, gi_dt, r * d), gi_dt);
+            if (gsum) {
+                const float *h = in_row(hb, elem(gsum, gsum_dt, r * d), gsum_dt, d);
+#pragma omp simd
+                for (int64_t j = 0; j < d; j++) t[j] = (gr[j] * wf[j] - sr[j] * coef) * k + h[j];
+            } else {
+#pragma omp simd
+                for (int64_t j = 0; j < d; j++) t[j] = (gr[j] * wf[j] - sr[j] * coef) * k;
+            }
+            out_done(elem_out(gi, gi_dt, r * d), gi_dt, t, d);
+        }
+    }
+    float total[ROW_MAX];
+    for (int64_t j = 0; j < d; j++) {
+        double a = 0.0;
+        for (int m = 0; m < threads; m++) a += partial[(size_t)m * (size_t)d + (size_t)j];
+        total[j] = (float)a;
+    }
+    store(gw, gw_dt, total, d);
+    return 0;
+}
+
+/* ---- rotary embedding (rotate_half): out1 = t1 c1 - t2 s1, out2 = t2 c2 + t1 s2 ---------------------
+ * The backward is the transpose: g1' = g1 c1 + g2 s2, g2' = g2 c2 - g1 s1. Rows are indexed by up to 3
+ * leading sizes; t, the tables (cos and sin alike; 0 where they broadcast) and out have their own strides
+ * over those, and a dense last dimension of d. */
+int kiln_rope(const void *t, int t_dt, const int64_t *t_strides, const void *cs, const void *sn, int tab_dt,
+              const int64_t *tab_strides, void *out, int out_dt, const int64_t *out_strides, const int64_t *sizes,
+              int64_t d, int backward, int threads) {
+    if (d > ROW_MAX || d % 2) return -1;
+    int64_t rows = sizes[0] * sizes[1] * sizes[2], h = d / 2;
+#pragma omp parallel num_threads(threads)
+    {
+        float xb[ROW_MAX], cb[ROW_MAX], sb[ROW_MAX], ob[ROW_MAX];
+        int64_t lo, hi;
+        share(rows, &lo, &hi);
+        /* walk the three indices along this thread's rows: no division per row */
+        int64_t i2 = lo % sizes[2], i1 = (lo / sizes[2]) % sizes[1], i0 = lo / (sizes[2] * sizes[1]);
+        for (int64_t r = lo; r < hi; r++) {
+#define AT(st) (i0 * (st)[0] + i1 * (st)[1] + i2 * (st)[2])
+            const float *x = in_row(xb, elem(t, t_dt, AT(t_strides)), t_dt, d);
+            const float *c = in_row(cb, elem(cs, tab_dt, AT(tab_strides)), tab_dt, d);
+            const float *sv = in_row(sb, elem(sn, tab_dt, AT(tab_strides)), tab_dt, d);
+            float *o = out_row(ob, elem_out(out, out_dt, AT(out_strides)), out_dt);
+            if (!backward) {
+#pragma omp simd
+                for (int64_t j = 0; j < h; j++) {
+                    float a = x[j], b = x[j + h];
+                    o[j] = a * c[j] - b * sv[j];
+                    o[j + h] = b * c[j + h] + a * sv[j + h];
+                }
+            } else {
+#pragma omp simd
+                for (int64_t j = 0; j < h; j++) {
+                    float a = x[j], b = x[j + h];
+                    o[j] = a * c[j] + b * sv[j + h];
+                    o[j + h] = b * c[j + h] - a * sv[j];
+                }
+            }
+            out_done(elem_out(out, out_dt, AT(out_strides)), out_dt, o, d);
+#undef AT
+            if (++i2 == sizes[2]) {
+                i2 = 0;
+                if (++i1 == sizes[1]) {
+                    i1 = 0;
+                    i0++;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- SwiGLU: out = silu(gate) * up; backward: grad_gate = grad up silu'(gate), grad_up = grad silu(gate)
+ * rows x cols with a row stride per tensor (gate and up may be the halves of one [gate | up] product),
+ * processed in blocks of a row. */
+#define BLOCK 2048
+
+static inline float sigmoid(float a) { return 1.0f / (1.0f + exp_approx(-a)); }
+
+int kiln_swiglu(const void *gate, int g_dt, int64_t g_s, const void *up, int u_dt, int64_t u_s, void *out, int o_dt,
+                int64_t o_s, int64_t rows, int64_t cols, int threads) {
+    int64_t per_row = (cols + BLOCK - 1) / BLOCK, tasks = rows * per_row;
+#pragma omp parallel num_threads(threads)
+    {
+        float ab[BLOCK], bb[BLOCK], ob[BLOCK];
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < tasks; k++) {
+            int64_t r = k / per_row, lo = (k % per_row) * BLOCK, m = cols - lo < BLOCK ? cols - lo : BLOCK;
+            const float *a = in_row(ab, elem(gate, g_dt, r * g_s + lo), g_dt, m);
+            const float *b = in_row(bb, elem(up, u_dt, r * u_s + lo), u_dt, m);
+            float *o = out_row(ob, elem_out(out, o_dt, r * o_s + lo), o_dt);
+#pragma omp simd
+            for (int64_t j = 0; j < m; j++) o[j] = a[j] * sigmoid(a[j]) * b[j];
+            out_done(elem_out(out, o_dt, r * o_s + lo), o_dt, o, m);
+        }
+    }
+    return 0;
+}
+
+int kiln_swiglu_backward(const void *grad, int gr_dt, int64_t gr_s, const void *gate, int g_dt, int64_t g_s,
+                         const void *up, int u_dt, int64_t u_s, void *grad_gate, int gg_dt, int64_t gg_s,
+                         void *grad_up, int gu_dt, int64_t gu_s, int64_t rows, int64_t cols, int threads) {
+    int64_t per_row = (cols + BLOCK - 1) / BLOCK, tasks = rows * per_row;
+#pragma omp parallel num_threads(threads)
+    {
+        float grb[BLOCK], ab[BLOCK], bb[BLOCK], ogb[BLOCK], oub[BLOCK];
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < tasks; k++) {
+            int64_t r = k / per_row, lo = (k % per_row) * BLOCK, m = cols - lo < BLOCK ? cols - lo : BLOCK;
+            const float *gr = in_row(grb, elem(grad, gr_dt, r * gr_s + lo), gr_dt, m);
+            const float *a = in_row(ab, elem(gate, g_dt, r * g_s + lo), g_dt, m);
+            const float *b = in_row(bb, elem(up, u_dt, r * u_s + lo), u_dt, m);
+            float *og = out_row(ogb, elem_out(grad_gate, gg_dt, r * gg_s + lo), gg_dt);
+            float *ou = out_row(oub, elem_out(grad_up, gu_dt, r * gu_s + lo), gu_dt);
+#pragma omp simd
+            for (int64_t j = 0; j < m; j++) {
+                float sig = sigmoid(a[j]);
+                og[j] = gr[j] * b[j] * (sig * (1.0f + a[j] * (1.0f - sig)));
+                ou[j] = gr[j] * (a[j] * sig);
+            }
+            out_done(elem_out(grad_gate, gg_dt, r * gg_s + lo), gg_dt, og, m);
+            out_done(elem_out(grad_up, gu_dt, r * gu_s + lo), gu_dt, ou, m);
+        }
+    }
+    return 0;
+}

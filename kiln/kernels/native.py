@@ -1,0 +1,140 @@
+"""Single-pass CPU loops for the elementwise kernels (native.c), built once per machine and loaded with ctypes.
+
+The kernels in norms.py, rope.py and activations.py are written as ATen compositions: correct on every
+device and dtype, but each reads and writes its full-size temporaries again (RMSNorm's backward makes
+five passes over its rows). On CPU, for float32 and bfloat16 tensors of the usual layouts, they call
+the loops in native.c instead, which read each input once and write each output once, in fp32 inside.
+
+Building: the first call compiles native.c with the C compiler (`$CC`, else `cc`; about a second) for the
+vector ISA ATen runs with (`torch.backends.cpu.get_cpu_capability()`, which `ATEN_CPU_CAPABILITY`
+lowers), into `$KILN_CACHE_DIR/native/` (default ~/.cache/kiln/native), named by a digest of the source,
+the compiler's version and the flags, written through a rename. A folder not private to this user is not
+loaded from (a shared library is code). No compiler, a failed build or `KILN_NATIVE=0`: the ATen
+compositions run, and the log says why once.
+
+The loops use the OpenMP runtime torch already loaded (libgomp.so.1) with torch's thread count.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("kiln")
+
+_SOURCE = Path(__file__).with_name("native.c")
+ROW_MAX = 8192                     # native.c's row buffers; longer rows run the ATen composition
+_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+_i64, _int, _dbl, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
+_SIGNATURES = {
+    "kiln_rms_forward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _i64, _i64, _dbl, _int],
+    "kiln_rms_backward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr, _i64,
+                          _i64, _int],
+    "kiln_rope": [_ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int, _int],
+    "kiln_swiglu": [_ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _i64, _i64, _int],
+    "kiln_swiglu_backward": [_ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64,
+                             _i64, _i64, _int],
+}
+
+
+def enabled() -> bool:
+    """False where KILN_NATIVE=0 asks for the ATen compositions."""
+    return os.environ.get("KILN_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def _library(isa: str) -> Optional[ctypes.CDLL]:
+    """native.c built for `isa` and loaded, or None (logged once) where it cannot be."""
+    cc = os.environ.get("CC") or "cc"
+    path = shutil.which(cc)
+    if path is None:
+        log.info("kiln: no C compiler (%s) found: Kiln's elementwise kernels run as ATen compositions", cc)
+        return None
+    flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11", *_ISA_FLAGS.get(isa, [])]
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+        source = _SOURCE.read_bytes()
+        digest = hashlib.sha256(repr((source, version, flags, os.path.realpath(path))).encode()).hexdigest()[:16]
+        folder = _private_folder()
+        target = folder / f"kiln-native-{isa.lower()}-{digest}.so"
+        if not target.exists():
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
+            os.close(fd)
+            try:
+                done = subprocess.run([path, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True,
+                                      timeout=120)
+                if done.returncode != 0:
+                    raise OSError(f"{cc} failed: {done.stderr.strip()[:400]}")
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(target))
+        for name, args in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        return lib
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        log.warning("kiln: could not build Kiln's native CPU kernels (%s); they run as ATen compositions "
+                    "(set KILN_NATIVE=0 to silence this)", exc)
+        return None
+
+
+def _private_folder() -> Path:
+    """$KILN_CACHE_DIR/native, created 0700; refused (OSError) when another user owns it or others can write it."""
+    root = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+    folder = root / "native"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.stat(folder)
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise OSError(f"{folder} is owned by another user")
+    if st.st_mode & 0o022:
+        raise OSError(f"{folder} is writable by others (mode {oct(st.st_mode & 0o777)})")
+    return folder
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded loops for the ISA ATen runs with now, or None (disabled, no compiler, failed build)."""
+    if not enabled():
+        return None
+    return _library(torch.backends.cpu.get_cpu_capability())
+
+
+def usable(*tensors: Optional[Tensor]) -> Optional[ctypes.CDLL]:
+    """The library when every given tensor is a CPU float32/bfloat16 tensor (None entries are skipped);
+    None otherwise: the caller runs its ATen composition."""
+    if any(t is not None and (t.device.type != "cpu" or t.dtype not in _CODES) for t in tensors):
+        return None
+    return library()
+
+
+def code(t: Tensor) -> int:
+    return _CODES[t.dtype]
+
+
+def ptr(t: Optional[Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+def threads() -> int:
+    return torch.get_num_threads()
+
+
+def check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"kiln: the native {what} kernel refused its arguments (status {status})")

@@ -1,0 +1,254 @@
+"""Kiln's native single-pass CPU loops (kiln/kernels/native.c) against float64 truth and the ATen compositions.
+
+Each case runs the kernel twice on the same inputs, with the native loops (the default) and with
+KILN_NATIVE=0 (the ATen compositions), and computes the true values in float64 from the same (rounded)
+inputs. The native result must be used (checked), agree with the composition to a few roundings, and be
+no further from the truth than the composition is (plus one rounding of the output dtype).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln.kernels  # noqa: F401 - registers torch.ops.kiln
+from kiln.kernels import native
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the ATen compositions run")
+
+DTYPES = [torch.float32, torch.bfloat16]
+kiln_ops = torch.ops.kiln
+
+
+def _eps(dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def _run(fn, native_on: bool):
+    old = os.environ.get("KILN_NATIVE")
+    os.environ["KILN_NATIVE"] = "1" if native_on else "0"
+    try:
+        out = fn()
+    finally:
+        os.environ.pop("KILN_NATIVE") if old is None else os.environ.__setitem__("KILN_NATIVE", old)
+    return out if isinstance(out, (tuple, list)) else (out,)
+
+
+def _compare(fn, truth, dtypes_out=None):
+    """Native vs composition vs float64 truth, output by output (relative to each output's largest value)."""
+    got, comp = _run(fn, True), _run(fn, False)
+    for g, c, t in zip(got, comp, truth):
+        assert g.dtype == c.dtype and g.shape == c.shape and g.stride() == c.stride(), "layout differs from ATen's"
+        scale = t.abs().max().item() or 1.0
+        err_native = (g.double() - t).abs().max().item() / scale
+        err_comp = (c.double() - t).abs().max().item() / scale
+        one = _eps(g.dtype) if g.dtype != torch.float32 else 4 * _eps(g.dtype)
+        assert err_native <= err_comp + one, (err_native, err_comp)
+        assert (g.double() - c.double()).abs().max().item() / scale <= err_comp + 2 * one
+
+
+def _used(monkeypatch, name: str) -> list:
+    """Calls of the library function `name` are counted (proof the native path ran)."""
+    lib = native.library()
+    real = getattr(lib, name)
+    calls = []
+
+    class Counting:
+        def __getattr__(self, attr):
+            if attr == name:
+                return lambda *a: calls.append(1) or real(*a)
+            return getattr(lib, attr)
+    monkeypatch.setattr(native, "library", lambda: Counting() if native.enabled() else None)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_backward(dtype, monkeypatch):
+    torch.manual_seed(0)
+    x, g, gs = (torch.randn(300, 96, dtype=dtype) for _ in range(3))
+    w = (torch.rand(96) + 0.5)
+    rstd = x.float().pow(2).mean(-1, keepdim=True).add_(1e-6).rsqrt_()
+    xd = x.double().requires_grad_()
+    wd = w.double().requires_grad_()
+    (xd * rstd.double() * wd).backward(g.double())      # rstd held fixed: the gradient through it below
+    xd2 = x.double().requires_grad_()
+    wd2 = w.double().requires_grad_()
+    (xd2 * torch.rsqrt(xd2.pow(2).mean(-1, keepdim=True) + 1e-6) * wd2).backward(g.double())
+    calls = _used(monkeypatch, "kiln_rms_backward")
+    _compare(lambda: kiln_ops.rms_norm_backward(g, gs, x, w, rstd), (xd2.grad + gs.double(), wd2.grad))
+    _compare(lambda: kiln_ops.rms_norm_backward(g, None, x, w, rstd), (xd2.grad, wd2.grad))
+    assert calls
+
+
+def test_rms_norm_forward_half_types_single_pass(monkeypatch):
+    torch.manual_seed(0)
+    x, r = torch.randn(64, 200, dtype=torch.bfloat16), torch.randn(64, 200, dtype=torch.bfloat16)
+    w = torch.rand(200) + 0.5
+    calls = _used(monkeypatch, "kiln_rms_forward")
+    s = (x + r)                                                  # rounded to bf16, as eager's add
+    sd = s.double()
+    truth = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    _compare(lambda: kiln_ops.add_rms_norm(x, r, w, 1e-6)[:2], (truth, sd))
+    xd = x.double()
+    _compare(lambda: kiln_ops.rms_norm(x, w, 1e-6)[:1], (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+                                                        * w.double(),))
+    assert len(calls) == 2
+
+
+def test_rms_norm_forward_fp32_keeps_eager_statistics(monkeypatch):
+    """A float32 sum runs the composition (bitwise eager; see norms._rms_native)."""
+    calls = _used(monkeypatch, "kiln_rms_forward")
+    x, w = torch.randn(8, 64), torch.rand(64) + 0.5
+    assert torch.equal(kiln_ops.rms_norm(x, w, 1e-6)[0], x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
+    assert not calls
+
+
+def _rotate_half(t):
+    h = t.shape[-1] // 2
+    return torch.cat([-t[..., h:], t[..., :h]], -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "3d"])
+def test_rope_forward_and_backward(dtype, layout, monkeypatch):
+    torch.manual_seed(0)
+    if layout == "transposed":       # Hugging Face's q: a (batch, seq, heads, dim) projection, transposed
+        q, k = torch.randn(2, 7, 3, 16, dtype=dtype).transpose(1, 2), torch.randn(2, 7, 1, 16, dtype=dtype).transpose(1, 2)
+        cos, sin = torch.randn(2, 1, 7, 16), torch.randn(2, 1, 7, 16)
+    elif layout == "contiguous":
+        q, k = torch.randn(2, 3, 7, 16, dtype=dtype), torch.randn(2, 3, 7, 16, dtype=dtype)
+        cos, sin = torch.randn(7, 16), torch.randn(7, 16)          # broadcast over batch and heads
+    else:
+        q, k = torch.randn(5, 9, 32, dtype=dtype), torch.randn(5, 9, 32, dtype=dtype)
+        cos, sin = torch.randn(5, 9, 32), torch.randn(5, 9, 32)
+    calls = _used(monkeypatch, "kiln_rope")
+    c, s = cos.double(), sin.double()
+
+    def fwd(t):
+        return t.double() * c + _rotate_half(t.double()) * s
+
+    def bwd(g):                       # the transpose of t -> t c + rotate_half(t) s
+        gd = g.double()
+        return gd * c - _rotate_half(gd * s)
+    _compare(lambda: kiln_ops.rope(q, k, cos, sin), (fwd(q), fwd(k)))
+    _compare(lambda: kiln_ops.rope_backward(q, k, cos, sin), (bwd(q), bwd(k)))
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swiglu_forward_backward_on_halves_of_one_product(dtype, monkeypatch):
+    """gate and up as the two halves of one [gate | up] product (row stride 2I), as swiglu_linear makes them;
+    one row longer than a block (2048) of the C loop."""
+    torch.manual_seed(0)
+    inter = 2100
+    gu = torch.randn(13, 2 * inter, dtype=dtype) * 4
+    gate, up = gu[:, :inter], gu[:, inter:]
+    grad = torch.randn(13, inter, dtype=dtype)
+    calls = _used(monkeypatch, "kiln_swiglu")
+    gd, ud, grd = gate.double(), up.double(), grad.double()
+    sig = torch.sigmoid(gd)
+    _compare(lambda: kiln_ops.swiglu(gate, up), (F.silu(gd) * ud,))
+    calls_b = _used(monkeypatch, "kiln_swiglu_backward")
+    _compare(lambda: kiln_ops.swiglu_backward(grad, gate, up), (grd * ud * sig * (1 + gd * (1 - sig)), grd * gd * sig))
+    assert calls and calls_b
+
+
+def test_swiglu_extremes_and_nan():
+    """silu's tails (exp over- and underflow inside) and NaN propagation match ATen's."""
+    gate = torch.tensor([[-1e4, -100.0, -88.0, -20.0, 0.0, 20.0, 88.0, 100.0, 1e4, float("nan")]])
+    up = torch.ones_like(gate)
+    got, want = kiln_ops.swiglu(gate, up), F.silu(gate)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-30, equal_nan=True)
+    gg, gu = kiln_ops.swiglu_backward(torch.ones_like(gate), gate, up)
+    assert torch.isnan(gg[0, -1]) and torch.isnan(gu[0, -1])
+    assert torch.isfinite(gg[0, :-1]).all() and torch.isfinite(gu[0, :-1]).all()
+
+
+def test_rms_norm_nan_propagates():
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    x[1, 3] = float("nan")
+    out, rstd = kiln_ops.rms_norm(x, torch.ones(32), 1e-6)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2, 3]]).all()
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """Forward results are bitwise the same on 1 and 2 threads; the weight gradient's per-thread partial sums
+    (double) round to the same float32 here."""
+    torch.manual_seed(0)
+    x, g = torch.randn(513, 128, dtype=torch.bfloat16), torch.randn(513, 128, dtype=torch.bfloat16)
+    w = torch.rand(128) + 0.5
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out, rstd = kiln_ops.rms_norm(x, w, 1e-6)
+            outs.append((out, rstd, *kiln_ops.rms_norm_backward(g, None, x, w, rstd)))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*outs):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-6, atol=0)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][2], outs[1][2])
+
+
+def test_every_isa_build_agrees(monkeypatch):
+    """The AVX2 and plain builds (what an AVX2-only CPU or ATEN_CPU_CAPABILITY=avx2 gets) compute the same."""
+    torch.manual_seed(0)
+    gu = torch.randn(64, 600)
+    want = kiln_ops.swiglu(gu[:, :300], gu[:, 300:])
+    for isa in ("AVX2", "DEFAULT"):
+        lib = native._library(isa)
+        assert lib is not None
+        monkeypatch.setattr(native, "library", lambda lib=lib: lib)
+        assert torch.allclose(kiln_ops.swiglu(gu[:, :300], gu[:, 300:]), want, rtol=1e-6, atol=1e-7)
+
+
+def test_disabled_or_unbuildable_runs_the_compositions(monkeypatch, tmp_path, caplog):
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    want = _run(lambda: kiln_ops.rms_norm(x, torch.ones(8), 1e-6), False)[0]
+    monkeypatch.setenv("KILN_NATIVE", "0")
+    assert native.library() is None
+    monkeypatch.delenv("KILN_NATIVE")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    native._library.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="kiln"):
+            assert native.library() is None
+            assert torch.equal(kiln_ops.rms_norm(x, torch.ones(8), 1e-6)[0], want)
+        assert "no C compiler" in caplog.text
+    finally:
+        native._library.cache_clear()
+
+
+def test_a_folder_others_can_write_is_not_loaded_from(monkeypatch, tmp_path, caplog):
+    """A shared library is code: the build folder must be this user's alone."""
+    cache = tmp_path / "cache"
+    (cache / "native").mkdir(parents=True)
+    os.chmod(cache / "native", 0o777)
+    monkeypatch.setenv("KILN_CACHE_DIR", str(cache))
+    native._library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kiln"):
+            assert native.library() is None
+        assert "writable by others" in caplog.text
+        assert not list((cache / "native").iterdir())
+    finally:
+        native._library.cache_clear()
+
+
+def test_the_build_is_cached_privately(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    native._library.cache_clear()
+    try:
+        assert native.library() is not None
+        folder = tmp_path / "cache" / "native"
+        built = [p for p in folder.iterdir()]
+        assert len(built) == 1 and built[0].suffix == ".so" and not built[0].name.startswith(".")
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    finally:
+        native._library.cache_clear()
