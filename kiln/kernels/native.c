@@ -124,11 +124,12 @@ static inline float exp_approx(float x) {
 }
 
 /* ---- RMSNorm ---------------------------------------------------------------------------------------
- * s = x (+ residual, rounded to sum_dt when the sum is written); rstd = 1/sqrt(mean(s^2) + eps);
- * out = s * rstd * weight. Contiguous rows x d. Python sends only half-type sums here (see norms.py). */
+ * s = x (+ residual, rounded to sum_dt when the sum is written); rstd = 1/sqrt(mean(s^2) + eps), or read
+ * from `rstd` when rstd_given (float32 sums: eager's own statistics, see norms.py); out = s * rstd * weight,
+ * in out_dt. Contiguous rows x d. */
 int kiln_rms_forward(const void *x, int x_dt, const void *res, int res_dt, const void *w, int w_dt, void *out,
-                     int out_dt, void *sum, int sum_dt, float *rstd, int64_t rows, int64_t d, double eps,
-                     int threads) {
+                     int out_dt, void *sum, int sum_dt, float *rstd, int rstd_given, int64_t rows, int64_t d,
+                     double eps, int threads) {
     if (d > ROW_MAX) return -1;
     float wbuf[ROW_MAX];
     const float *wf = in_row(wbuf, w, w_dt, d);
@@ -147,11 +148,14 @@ int kiln_rms_forward(const void *x, int x_dt, const void *res, int res_dt, const
                 out_done(elem_out(sum, sum_dt, r * d), sum_dt, sum_row, d);
                 s = sum_row;
             }
-            double acc = 0.0;
+            float k = rstd[r];
+            if (!rstd_given) {
+                double acc = 0.0;
 #pragma omp simd reduction(+ : acc)
-            for (int64_t j = 0; j < d; j++) acc += (double)s[j] * (double)s[j];
-            float k = 1.0f / sqrtf((float)(acc / (double)d) + (float)eps);
-            rstd[r] = k;
+                for (int64_t j = 0; j < d; j++) acc += (double)s[j] * (double)s[j];
+                k = 1.0f / sqrtf((float)(acc / (double)d) + (float)eps);
+                rstd[r] = k;
+            }
             float *o = out_row(ob, elem_out(out, out_dt, r * d), out_dt);
 #pragma omp simd
             for (int64_t j = 0; j < d; j++) o[j] = s[j] * k * wf[j];

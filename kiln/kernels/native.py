@@ -42,7 +42,8 @@ _ISA_FLAGS = {
 
 _i64, _int, _dbl, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
 _SIGNATURES = {
-    "kiln_rms_forward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _i64, _i64, _dbl, _int],
+    "kiln_rms_forward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _i64, _i64, _dbl,
+                         _int],
     "kiln_rms_backward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr, _i64,
                           _i64, _int],
     "kiln_rope": [_ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int, _int],
@@ -121,6 +122,10 @@ def usable(*tensors: Optional[Tensor]) -> Optional[ctypes.CDLL]:
     if any(t is not None and (t.device.type != "cpu" or t.dtype not in _CODES) for t in tensors):
         return None
     return library()
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _CODES
 
 
 def code(t: Tensor) -> int:

@@ -37,71 +37,92 @@ def _rms_forward(s: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]
     return out.to(torch.promote_types(s.dtype, weight.dtype)).contiguous(), rstd
 
 
-def _rms_native(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float):
-    """(out, sum or None, rstd) by native.c's single pass for half-type inputs, or None.
+def _out_dtype(s_dtype: torch.dtype, weight: Tensor, out_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The normalized output's dtype: `out_dtype` when given (a cast folded into the kernel), else promoted."""
+    return out_dtype if out_dtype is not None else torch.promote_types(s_dtype, weight.dtype)
 
-    A float32 sum runs the ATen composition: its statistics are eager's own (`s.pow(2).mean(-1)`, so the
-    output is bitwise eager's `s * rsqrt(mean(s^2) + eps) * w`). Any other summation order rounds rstd
-    differently, and an ill-conditioned weight gradient (cpmant's) amplified the single pass's rounding to
-    3e-5 of its largest entry beyond eager's own float32 error against float64 (1.2e-5 with eager's
-    statistics); computing them in ATen first left the single pass nothing to save. Half-type sums, rounded
-    far more coarsely, are reduced in double."""
+
+def _rms_native(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, out_dtype: Optional[torch.dtype]):
+    """(out, sum or None, rstd) by native.c's single pass, or None where it does not apply.
+
+    A float32 sum keeps eager's own statistics: rstd is `s.pow(2).mean(-1)` in ATen, so the output is bitwise
+    eager's `s * rsqrt(mean(s^2) + eps) * w` (then rounded once to `out_dtype`). Any other summation order
+    rounds rstd differently, and an ill-conditioned weight gradient (cpmant's) amplified a single pass's
+    rounding to 3e-5 of its largest entry beyond eager's own float32 error against float64 (1.2e-5 with
+    eager's statistics). With eager's statistics and a float32 output the single pass saves nothing, so that
+    case runs the composition. Half-type sums, rounded far more coarsely, are reduced in double."""
     d = x.shape[-1] if x.dim() else 0
     s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    lib = native.usable(x, residual, weight) if s_dtype != torch.float32 else None
-    if lib is None or not 0 < d <= native.ROW_MAX or weight.numel() != d:
+    o_dtype = _out_dtype(s_dtype, weight, out_dtype)
+    given = s_dtype == torch.float32
+    lib = native.usable(x, residual, weight) if native.supports(o_dtype) else None
+    if lib is None or not 0 < d <= native.ROW_MAX or weight.numel() != d or (given and o_dtype == torch.float32):
         return None
     x, w = x.contiguous(), weight.contiguous()
-    residual = residual.contiguous() if residual is not None else None
-    s = torch.empty(x.shape, dtype=s_dtype) if residual is not None else None
-    out = torch.empty(x.shape, dtype=torch.promote_types(s_dtype, weight.dtype))
-    rstd = torch.empty(_stat_shape(x), dtype=torch.float32)
+    s = None
+    if residual is not None:
+        if given:                                    # eager's fp32 add, read below as the input
+            s = torch.add(x, residual)
+            x, residual = s, None
+        else:
+            residual = residual.contiguous()
+            s = torch.empty(x.shape, dtype=s_dtype)
+    src = s if s is not None else x
+    rstd = (src.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_() if given
+            else torch.empty(_stat_shape(x), dtype=torch.float32))
+    out = torch.empty(x.shape, dtype=o_dtype)
+    writes_sum = residual is not None
     native.check(lib.kiln_rms_forward(
-        x.data_ptr(), native.code(x), native.ptr(residual), native.code(residual) if s is not None else 0,
-        w.data_ptr(), native.code(w), out.data_ptr(), native.code(out), native.ptr(s),
-        native.code(s) if s is not None else 0, rstd.data_ptr(), x.numel() // d, d, float(eps), native.threads()),
-        "rms_norm")
+        x.data_ptr(), native.code(x), native.ptr(residual), native.code(residual) if writes_sum else 0,
+        w.data_ptr(), native.code(w), out.data_ptr(), native.code(out), native.ptr(s) if writes_sum else None,
+        native.code(s) if writes_sum else 0, rstd.data_ptr(), int(given), x.numel() // d, d, float(eps),
+        native.threads()), "rms_norm")
     return out, s, rstd
 
 
 @torch.library.custom_op("kiln::rms_norm", mutates_args=())
-def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(out, rstd): RMSNorm of x over the last dimension; rstd is fp32 (fp64 for fp64 x), shape (..., 1)."""
+def rms_norm_op(x: Tensor, weight: Tensor, eps: float, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """(out, rstd): RMSNorm of x over the last dimension; rstd is fp32 (fp64 for fp64 x), shape (..., 1).
+    `out_dtype`: the output's dtype (computed in fp32, rounded once); default: x's and weight's promoted."""
     impl = gpu_impl("rms_norm", x)
     if impl is not None:
-        return impl(x, weight, eps)
-    done = _rms_native(x, None, weight, eps)
+        out, rstd = impl(x, weight, eps)
+        return out.to(_out_dtype(out.dtype, weight, out_dtype)), rstd
+    done = _rms_native(x, None, weight, eps, out_dtype)
     if done is not None:
         return done[0], done[2]
-    return _rms_forward(x, weight, eps)
+    out, rstd = _rms_forward(x, weight, eps)
+    return out.to(_out_dtype(out.dtype, weight, out_dtype)), rstd
 
 
 @rms_norm_op.register_fake
-def _(x, weight, eps):
-    out = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+def _(x, weight, eps, out_dtype=None):
+    out = x.new_empty(x.shape, dtype=_out_dtype(x.dtype, weight, out_dtype))
     return out, x.new_empty(_stat_shape(x), dtype=acc_dtype(x.dtype))
 
 
 @torch.library.custom_op("kiln::add_rms_norm", mutates_args=())
-def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, sum, rstd) with sum = x + residual and out = RMSNorm(sum)."""
+def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                    out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, sum, rstd) with sum = x + residual and out = RMSNorm(sum) (in `out_dtype` when given)."""
     impl = gpu_impl("add_rms_norm", x)
     if impl is not None:
-        return impl(x, residual, weight, eps)
+        out, s, rstd = impl(x, residual, weight, eps)
+        return out.to(_out_dtype(out.dtype, weight, out_dtype)), s, rstd
     _same_shape(x, residual)
-    done = _rms_native(x, residual, weight, eps)
+    done = _rms_native(x, residual, weight, eps, out_dtype)
     if done is not None:
         return done
     s = torch.add(x, residual).contiguous()
     out, rstd = _rms_forward(s, weight, eps)
-    return out, s, rstd
+    return out.to(_out_dtype(out.dtype, weight, out_dtype)), s, rstd
 
 
 @add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, out_dtype=None):
     _same_shape(x, residual)
     s = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
-    out = s.new_empty(s.shape, dtype=torch.promote_types(s.dtype, weight.dtype))
+    out = s.new_empty(s.shape, dtype=_out_dtype(s.dtype, weight, out_dtype))
     return out, s, s.new_empty(_stat_shape(s), dtype=acc_dtype(s.dtype))
 
 
@@ -174,7 +195,7 @@ def _rms_setup(ctx, inputs, output):
 def _rms_backward(ctx, grad_out, _grad_rstd):
     x, weight, rstd = ctx.saved_tensors
     gx, gw = torch.ops.kiln.rms_norm_backward(grad_out, None, x, weight, rstd)
-    return gx, gw, None
+    return gx, gw, None, None
 
 
 def _add_rms_setup(ctx, inputs, output):
@@ -188,7 +209,7 @@ def _add_rms_setup(ctx, inputs, output):
 def _add_rms_backward(ctx, grad_out, grad_sum, _grad_rstd):
     s, weight, rstd = ctx.saved_tensors
     gs, gw = torch.ops.kiln.rms_norm_backward(grad_out, grad_sum, s, weight, rstd)
-    return gs, gs, gw, None        # d(x + residual)/dx = d(x + residual)/d residual = 1
+    return gs, gs, gw, None, None  # d(x + residual)/dx = d(x + residual)/d residual = 1
 
 
 def _same_shape(x: Tensor, residual: Tensor) -> None:

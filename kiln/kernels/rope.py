@@ -10,6 +10,7 @@ needs only cos and sin: nothing of q or k is saved (unless cos/sin themselves re
 from __future__ import annotations
 
 import ctypes
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -27,8 +28,11 @@ def _check(t: Tensor, cos: Tensor, sin: Tensor, name: str) -> None:
                              "(for (batch, seq, dim) tables and (batch, heads, seq, dim) q, pass unsqueeze_dim=1)")
 
 
-def _out_dtype(t: Tensor, cos: Tensor, sin: Tensor) -> torch.dtype:
-    return torch.promote_types(torch.promote_types(t.dtype, cos.dtype), sin.dtype)
+def _out_dtype(t: Tensor, cos: Tensor, sin: Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """`out_dtype` when given (a cast folded into the kernel: computed in the promoted dtype, rounded once),
+    else t's, cos's and sin's promoted dtype."""
+    return out_dtype if out_dtype is not None else torch.promote_types(torch.promote_types(t.dtype, cos.dtype),
+                                                                        sin.dtype)
 
 
 def _leading3(t: Tensor, sizes: tuple) -> list[int] | None:
@@ -39,15 +43,15 @@ def _leading3(t: Tensor, sizes: tuple) -> list[int] | None:
     return [0] * (3 - lead) + list(t.stride()[:lead])
 
 
-def _rotate_native(t: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor | None:
+def _rotate_native(t: Tensor, cos: Tensor, sin: Tensor, sign: float, out_dtype: Optional[torch.dtype]) -> Tensor | None:
     """native.c's single pass over t's rows (any layout with a dense last dimension), or None."""
     d = t.shape[-1] if t.dim() else 0
     lib = native.usable(t, cos, sin)
     if (lib is None or not 0 < d <= native.ROW_MAX or t.numel() == 0 or cos.dtype != sin.dtype
-            or t.stride(-1) != 1):
+            or t.stride(-1) != 1 or not native.supports(_out_dtype(t, cos, sin, out_dtype))):
         return None
     c, s = cos.expand(t.shape), sin.expand(t.shape)
-    out = torch.empty_like(t, dtype=_out_dtype(t, cos, sin))      # t's layout (the fake gives the same)
+    out = torch.empty_like(t, dtype=_out_dtype(t, cos, sin, out_dtype))   # t's layout (the fake gives the same)
     lead = t.shape[:-1]
     strides = [_leading3(x, lead) for x in (t, c, out)]
     if None in strides or c.stride() != s.stride() or c.stride(-1) != 1 or out.stride(-1) != 1:
@@ -60,12 +64,14 @@ def _rotate_native(t: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor |
     return out
 
 
-def _rotate(t: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
+def _rotate(t: Tensor, cos: Tensor, sin: Tensor, sign: float, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """t * cos + sign * rotate_half(t) * sin with rotate_half's halves written in place;
-    sign=-1 applies the transpose (the backward)."""
-    done = _rotate_native(t, cos, sin, sign)
+    sign=-1 applies the transpose (the backward). In `out_dtype` when given."""
+    done = _rotate_native(t, cos, sin, sign, out_dtype)
     if done is not None:
         return done
+    if out_dtype is not None and out_dtype != _out_dtype(t, cos, sin):
+        return _rotate(t, cos, sin, sign).to(out_dtype)
     h = t.shape[-1] // 2
     out = torch.empty_like(t, dtype=_out_dtype(t, cos, sin))
     torch.mul(t, cos, out=out)
@@ -80,36 +86,41 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
 
 
 @torch.library.custom_op("kiln::rope", mutates_args=())
-def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """(q_rotated, k_rotated); cos and sin broadcast to q and to k."""
+def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+            out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """(q_rotated, k_rotated); cos and sin broadcast to q and to k; both in `out_dtype` when given."""
     impl = gpu_impl("rope", q)
     if impl is not None:
-        return impl(q, k, cos, sin)
+        qr, kr = impl(q, k, cos, sin)
+        return qr.to(_out_dtype(qr, cos, sin, out_dtype)), kr.to(_out_dtype(kr, cos, sin, out_dtype))
     _check(q, cos, sin, "q")
     _check(k, cos, sin, "k")
-    return _rotate(q, cos, sin, 1.0), _rotate(k, cos, sin, 1.0)
+    return _rotate(q, cos, sin, 1.0, out_dtype), _rotate(k, cos, sin, 1.0, out_dtype)
 
 
 @rope_op.register_fake
-def _(q, k, cos, sin):
+def _(q, k, cos, sin, out_dtype=None):
     _check(q, cos, sin, "q")
     _check(k, cos, sin, "k")
-    return torch.empty_like(q, dtype=_out_dtype(q, cos, sin)), torch.empty_like(k, dtype=_out_dtype(k, cos, sin))
+    return (torch.empty_like(q, dtype=_out_dtype(q, cos, sin, out_dtype)),
+            torch.empty_like(k, dtype=_out_dtype(k, cos, sin, out_dtype)))
 
 
 @torch.library.custom_op("kiln::rope_backward", mutates_args=())
-def rope_backward_op(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """(grad_q, grad_k): the transpose of the rotation applied to the output gradients."""
+def rope_backward_op(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor,
+                     out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """(grad_q, grad_k): the transpose of the rotation applied to the output gradients (in `out_dtype`)."""
     impl = gpu_impl("rope_backward", grad_q)
     if impl is not None:
-        return impl(grad_q, grad_k, cos, sin)
-    return _rotate(grad_q, cos, sin, -1.0), _rotate(grad_k, cos, sin, -1.0)
+        gq, gk = impl(grad_q, grad_k, cos, sin)
+        return gq.to(_out_dtype(gq, cos, sin, out_dtype)), gk.to(_out_dtype(gk, cos, sin, out_dtype))
+    return _rotate(grad_q, cos, sin, -1.0, out_dtype), _rotate(grad_k, cos, sin, -1.0, out_dtype)
 
 
 @rope_backward_op.register_fake
-def _(grad_q, grad_k, cos, sin):
-    return (torch.empty_like(grad_q, dtype=_out_dtype(grad_q, cos, sin)),
-            torch.empty_like(grad_k, dtype=_out_dtype(grad_k, cos, sin)))
+def _(grad_q, grad_k, cos, sin, out_dtype=None):
+    return (torch.empty_like(grad_q, dtype=_out_dtype(grad_q, cos, sin, out_dtype)),
+            torch.empty_like(grad_k, dtype=_out_dtype(grad_k, cos, sin, out_dtype)))
 
 
 def rotate_half(t: Tensor) -> Tensor:
@@ -119,7 +130,7 @@ def rotate_half(t: Tensor) -> Tensor:
 
 
 def _setup(ctx, inputs, output):
-    q, k, cos, sin = inputs
+    q, k, cos, sin = inputs[:4]
     table_grads = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
     # q and k are kept only when cos/sin need a gradient (a learned rotation table)
     ctx.save_for_backward(cos, sin, *((q, k) if table_grads else ()))
@@ -134,7 +145,7 @@ def _backward(ctx, grad_q, grad_k):
         q, k = qk
         gcos = (grad_q * q).sum_to_size(cos.shape) + (grad_k * k).sum_to_size(cos.shape)
         gsin = (grad_q * rotate_half(q)).sum_to_size(sin.shape) + (grad_k * rotate_half(k)).sum_to_size(sin.shape)
-    return gq, gk, gcos, gsin
+    return gq, gk, gcos, gsin, None
 
 
 rope_op.register_autograd(_backward, setup_context=_setup)

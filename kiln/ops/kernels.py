@@ -45,9 +45,10 @@ def vjp_add_rms_norm(b, n, g_out, g_sum, _g_rstd=None):
     return gs, gs, gw, None       # x and residual both get d(out)/d(sum) + the sum's own gradient
 
 
-defop(kiln_ops.rms_norm.default, vjp_rms_norm, Kind.NORM, F32)
-defop(kiln_ops.add_rms_norm.default, vjp_add_rms_norm, Kind.NORM, F32)
-_backward_op(kiln_ops.rms_norm_backward.default, Kind.NORM, F32)
+defop(kiln_ops.rms_norm.default, vjp_rms_norm, Kind.NORM, F32, out_dtype=(0,))
+defop(kiln_ops.add_rms_norm.default, vjp_add_rms_norm, Kind.NORM, F32, out_dtype=(0,))
+# reads a bf16 output gradient as it is (converted exactly inside): no widening cast before it
+_backward_op(kiln_ops.rms_norm_backward.default, Kind.NORM, F32, promotes=True)
 
 
 # ---- dropout + residual + LayerNorm -----------------------------------------------------------
@@ -137,8 +138,9 @@ def vjp_rope(b, n, g_q, g_k):
     return gq, gk, table(cos, False), table(sin, True)
 
 
-defop(kiln_ops.rope.default, vjp_rope, Kind.POINTWISE, FOLLOW, promotes=True)   # bf16 q, k with fp32 tables
-_backward_op(kiln_ops.rope_backward.default, Kind.POINTWISE, FOLLOW, promotes=True)
+# bf16 q, k with fp32 tables: computed in fp32; a cast of both results back to bf16 folds into out_dtype
+defop(kiln_ops.rope.default, vjp_rope, Kind.POINTWISE, FOLLOW, promotes=True, out_dtype=(0, 1))
+_backward_op(kiln_ops.rope_backward.default, Kind.POINTWISE, FOLLOW, promotes=True, out_dtype=(0, 1))
 
 
 # ---- Linear + cross-entropy -------------------------------------------------------------------

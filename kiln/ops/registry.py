@@ -71,6 +71,9 @@ class OpDef:
     # its kernel reads mixed float dtypes and computes in the promoted one itself, as ATen's elementwise
     # arithmetic does: amp inserts no widening cast before it (a separate pass over the narrower input)
     promotes: bool = False
+    # outputs whose dtype the kernel's `out_dtype` argument sets (computed wide, rounded once): a narrowing
+    # cast of them is folded into the kernel (kiln/passes/casts.py)
+    out_dtype: tuple[int, ...] = ()
     doc: str = ""
 
     @property

@@ -1,4 +1,5 @@
-"""Widening casts folded into the ops that read them.
+"""Casts folded into the ops around them: widening casts into the ops that read them, narrowing casts into
+the kernels that make their input.
 
 A cast from a narrower float dtype to a wider one (bf16 -> fp32) is exact, so an op that promotes mixed
 inputs itself (`OpDef.promotes`: ATen's Tensor-Tensor arithmetic, the rope kernels) computes the same
@@ -9,7 +10,13 @@ the ops read it. One pass over memory less, and no wider copy kept.
 
 amp inserts no widening casts before such ops in the forward (kiln/passes/amp.py); this pass finds the
 ones autodiff makes in the backward (the gradient of a cast to bf16 is a cast back to fp32, read by the
-rope kernel's backward) and any the model wrote itself. Narrowing casts round, so they stay.
+rope kernel's backward) and any the model wrote itself.
+
+A narrowing cast rounds, so it cannot be dropped; but a kernel that computes in the wide dtype can round its
+result once itself (`OpDef.out_dtype`: RMSNorm's output, RoPE's and its backward's): amp's cast of an
+fp32 RMSNorm output to bf16 before a projection, and of RoPE's fp32 result back to bf16 before attention,
+become the kernel's `out_dtype`, with the same values (the kernel computes what the wide op computed and
+rounds it to nearest-even, as the cast did) and one full-size pass and buffer fewer.
 """
 from __future__ import annotations
 
@@ -62,11 +69,80 @@ def fold_widening_casts(graph: Graph) -> int:
     return folded
 
 
+def fold_narrowing_casts(graph: Graph) -> int:
+    """Fold narrowing casts into the kernels that make their input (`OpDef.out_dtype`). A kernel is rewritten
+    when every output its `out_dtype` sets is read only by one cast (directly or through views read only by
+    the next), all to the same dtype, and none is a step output. Returns the number of kernels rewritten."""
+    users, live = graph.users(), graph.live_outputs()
+    plans: dict[Node, tuple[torch.dtype, list[Node]]] = {}
+    for n in graph.nodes:
+        if not n.op.out_dtype or "out_dtype" in n.kwargs:
+            continue
+        chains = [_cast_chain(n.outputs[i], users, live) for i in n.op.out_dtype]
+        dtypes = {chain[-1].outputs[0].meta.dtype for chain in chains if chain}
+        if all(chains) and len(dtypes) == 1:
+            plans[n] = (dtypes.pop(), chains)
+    if not plans:
+        return 0
+    replace: dict[Value, Value] = {}
+    nodes: list[Node] = []
+    for n in graph.nodes:
+        n.args, n.kwargs = tree_map_values(lambda v: replace.get(v, v), (n.args, n.kwargs))
+        if n not in plans:
+            nodes.append(n)
+            continue
+        dtype, chains = plans[n]
+        b = Builder(graph, n.phase, n.scope, dest=nodes)
+        out = b(n.target, *n.args, **n.kwargs, out_dtype=dtype)
+        outs = out if isinstance(out, tuple) else (out,)
+        replace.update(zip(n.outputs, outs))
+        for i, chain in zip(n.op.out_dtype, chains):
+            v = outs[i]
+            for step in chain[:-1]:                 # the same views and copies, of the narrow result
+                target = aten.reshape.default if step.target in VIEWS else step.target
+                v = b(target, v, *step.args[1:], **step.kwargs)
+            replace[chain[-1].outputs[0]] = v
+    graph.nodes = nodes
+    dead_code_elimination(graph)
+    return len(plans)
+
+
+def _cast_chain(v: Value, users, live) -> list[Node]:
+    """[views or copies..., cast] when v's only reader is a narrowing cast, or a chain of views and plain
+    copies (GQA's repeat_kv: unsqueeze, expand, clone, view), each read only by the next, ending in one (none
+    of them a step output); [] otherwise. Moving data commutes with rounding it."""
+    chain: list[Node] = []
+    while True:
+        readers = users.get(v, [])
+        if v in live or len(readers) != 1:
+            return []
+        r = readers[0]
+        if _narrowing(r) and r.args[0] is v:
+            return chain + [r]
+        if not (_view_of(r, v) or _copy_of(r, v)):
+            return []
+        chain.append(r)
+        v = r.outputs[0]
+
+
+def _narrowing(n: Node) -> bool:
+    if n.target is not aten._to_copy.default or set(n.kwargs) != {"dtype"} or len(n.args) != 1:
+        return False
+    src, out = n.args[0], n.outputs[0]
+    return src.is_float and out.is_float and src.meta.dtype.itemsize > out.meta.dtype.itemsize
+
+
 def _widening(n: Node) -> bool:
     if n.target is not aten._to_copy.default or set(n.kwargs) != {"dtype"} or len(n.args) != 1:
         return False
     src, out = n.args[0], n.outputs[0]
     return src.is_float and out.is_float and src.meta.dtype.itemsize < out.meta.dtype.itemsize
+
+
+def _copy_of(n: Node, v: Value) -> bool:
+    """Whether n is a plain copy of v (`clone`, any memory format), reading v nowhere else."""
+    return n.target is aten.clone.default and len(n.outputs) == 1 and n.args[0] is v and \
+        sum(x is v for x in n.inputs) == 1
 
 
 def _view_of(n: Node, v: Value) -> bool:

@@ -26,7 +26,7 @@ from kiln.optim import (ACCUMULATE, LOSS_SCALE, RECORD_METRIC, ZERO_ACCUMULATED,
                         unscale_and_check)
 from kiln.passes.amp import AmpPolicy, autocast
 from kiln.passes.canonicalize import canonicalize, lower_dialects
-from kiln.passes.casts import fold_widening_casts
+from kiln.passes.casts import fold_narrowing_casts, fold_widening_casts
 from kiln.passes.collectives import gather_params, reduce_gradients
 from kiln.passes.cse import common_subexpression_elimination
 from kiln.passes.dce import dead_code_elimination
@@ -197,7 +197,8 @@ PIPELINE: list[Pass] = [
     ("cse", lambda c: common_subexpression_elimination(c.graph)),
     ("dce", lambda c: dead_code_elimination(c.graph)),
     ("fuse", lambda c: fuse(c.graph, c.dialects, "training")),    # e.g. all AdamW updates -> one kernel
-    ("fold_casts", lambda c: fold_widening_casts(c.graph)),      # bf16 -> fp32 casts read by ops that promote
+    # bf16 -> fp32 casts read by ops that promote; fp32 -> bf16 casts of kernel outputs into the kernels
+    ("fold_casts", lambda c: fold_widening_casts(c.graph) + fold_narrowing_casts(c.graph)),
     ("remat", _remat),                   # under a memory budget: activations recomputed in the backward
     ("regions", lambda c: c.regions.extend(find_regions(c.graph, c.dialects))),   # elementwise/reduction regions: kernels wanted
     ("dispatch", lambda c: dispatch(c.graph, c.dialects, c.choices)),   # each node -> a dialect's kernel (measured: a choice)

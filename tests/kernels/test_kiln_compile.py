@@ -99,7 +99,11 @@ def test_amp_bf16_follows_the_cast_classes():
     assert all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0]
     fwd = {n.op.name: n for n in step.graph.nodes if n.phase.name == "FORWARD"}
     assert fwd["kiln.swiglu_linear"].outputs[0].meta.dtype == torch.bfloat16     # LOWER
-    assert fwd["kiln.rms_norm"].outputs[0].meta.dtype == torch.float32           # FP32
+    norm = fwd["kiln.rms_norm"]                                                   # FP32: reads and computes fp32;
+    assert norm.args[0].meta.dtype == torch.float32                              # its output is rounded to bf16
+    assert norm.kwargs.get("out_dtype") is torch.bfloat16 and norm.outputs[0].meta.dtype == torch.bfloat16  # inside
+    assert not any(n.target is torch.ops.aten._to_copy.default and n.args[0] is norm.outputs[0]
+                   for n in step.graph.nodes)                                    # (the cast folded, fold_casts)
     assert fwd["kiln.linear_cross_entropy"].args[1].meta.dtype == torch.bfloat16  # the vocab matmul is LOWER
     assert fwd["kiln.linear_cross_entropy"].outputs[0].meta.dtype == torch.float32
 

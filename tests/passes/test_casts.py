@@ -78,3 +78,63 @@ def test_a_bf16_llama_step_keeps_no_widening_cast_before_the_residual_adds_and_r
     readers = {u.op.name for n in widening for u in users.get(n.outputs[0], ())}
     assert not readers & {"kiln.rope", "kiln.rope_backward", "aten.add.Tensor"}, readers
     assert any(n.op.name == "kiln.rope_backward" and n.inputs[0].meta.dtype == torch.bfloat16 for n in g.nodes)
+
+
+# ---- narrowing casts folded into the kernel that makes their input ---------------------------------
+def _rms_graph(cast_through_view: bool, extra_reader: bool):
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 6, 32), torch.rand(32) + 0.5
+    g, b, (xv, wv) = graph_with_inputs(x, w)
+    out, _rstd = b(torch.ops.kiln.rms_norm.default, xv, wv, 1e-6)
+    src = b(aten.reshape.default, out, [24, 32]) if cast_through_view else out
+    low = b(aten._to_copy.default, src, dtype=torch.bfloat16)
+    g.outputs = [b(aten.mul.Tensor, low, low)] + ([out] if extra_reader else [])
+    return g, (x, w)
+
+
+def test_a_narrowing_cast_of_a_kernel_output_becomes_its_out_dtype_with_the_same_bits():
+    from kiln.passes.casts import fold_narrowing_casts
+    for through_view in (False, True):
+        g, inputs = _rms_graph(through_view, extra_reader=False)
+        want = run(g, *inputs)
+        assert fold_narrowing_casts(g) == 1 and count(g, aten._to_copy.default) == 0
+        node = next(n for n in g.nodes if n.target is torch.ops.kiln.rms_norm.default)
+        assert node.kwargs.get("out_dtype") is torch.bfloat16 and node.outputs[0].meta.dtype == torch.bfloat16
+        got = run(g, *inputs)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_a_narrowing_cast_stays_where_the_wide_output_is_read_elsewhere():
+    from kiln.passes.casts import fold_narrowing_casts
+    g, _ = _rms_graph(False, extra_reader=True)
+    assert fold_narrowing_casts(g) == 0 and count(g, aten._to_copy.default) == 1
+
+
+def test_a_bf16_llama_step_has_no_cast_around_its_kernels_and_trains_bit_for_bit_as_with_the_casts(monkeypatch):
+    """The folded program (kernels writing bf16 themselves) gives the same bits as the casts did: losses and
+    parameters after 3 steps equal, with the native loops and with the ATen compositions."""
+    import copy
+    import kiln.passes.pipeline as pipeline
+    from tests.models import zoo
+    model, _args, batch, _loss = zoo.llama()
+    real = pipeline.fold_narrowing_casts
+
+    def train(fold: bool):
+        monkeypatch.setattr(pipeline, "fold_narrowing_casts", real if fold else (lambda graph: 0))
+        m = copy.deepcopy(model)
+        step = kiln.compile(m, optimizer=kiln.optim.AdamW(lr=1e-3), amp="bf16", dialects=["kiln", "sdpa", "aten"])
+        losses = [step(**batch).item() for _ in range(3)]
+        return step, losses, [p.detach().clone() for p in m.parameters()]
+
+    from kiln.passes import casts
+    for native_on in ("1", "0"):
+        monkeypatch.setenv("KILN_NATIVE", native_on)
+        folded, l1, p1 = train(True)
+        _, l0, p0 = train(False)
+        assert l1 == l0 and all(torch.equal(a, b) for a, b in zip(p1, p0))
+        g = folded.last.graph
+        kernels = [n for n in g.nodes if n.op.name in ("kiln.rms_norm", "kiln.rope", "kiln.rope_backward")]
+        assert kernels and all(n.outputs[0].meta.dtype == torch.bfloat16 for n in kernels if "out_dtype" in n.kwargs)
+        users = g.users()
+        narrowing = [u for n in kernels for o in n.outputs for u in users.get(o, ()) if casts._narrowing(u)]
+        assert not narrowing, narrowing
