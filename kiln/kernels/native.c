@@ -165,11 +165,11 @@ int kiln_rms_forward(const void *x, int x_dt, const void *res, int res_dt, const
     return 0;
 }
 
-/* grad_s = rstd * (g*w - s * rstd^2 * dot / d) (+ grad_sum), dot = sum_j g w s; grad_w = sum_rows g s rstd.
- * partial: threads x d doubles of scratch. */
+/* grad_s = rstd * (g*w - s * rstd^2 * dot / d) (+ grad_sum), dot = sum_j g w s; grad_w = sum_rows g s rstd;
+ * gi_low (optional): grad_s rounded to low_dt as well. partial: threads x d doubles of scratch. */
 int kiln_rms_backward(const void *g, int g_dt, const void *gsum, int gsum_dt, const void *s_in, int s_dt,
                       const void *w, int w_dt, const float *rstd, void *gi, int gi_dt, void *gw, int gw_dt,
-                      double *partial, int64_t rows, int64_t d, int threads) {
+                      void *gi_low, int low_dt, double *partial, int64_t rows, int64_t d, int threads) {
     if (d > ROW_MAX) return -1;
     float wbuf[ROW_MAX];
     const float *wf = in_row(wbuf, w, w_dt, d);
@@ -206,6 +206,10 @@ int kiln_rms_backward(const void *g, int g_dt, const void *gsum, int gsum_dt, co
                 for (int64_t j = 0; j < d; j++) t[j] = (gr[j] * wf[j] - sr[j] * coef) * k;
             }
             out_done(elem_out(gi, gi_dt, r * d), gi_dt, t, d);
+            if (gi_low) {                 /* the same gradient in a narrower dtype too: rounded from gi's value */
+                if (gi_dt != F32) load(ob, elem(gi, gi_dt, r * d), gi_dt, d);
+                store(elem_out(gi_low, low_dt, r * d), low_dt, gi_dt == F32 ? t : ob, d);
+            }
         }
     }
     float total[ROW_MAX];

@@ -44,8 +44,8 @@ _i64, _int, _dbl, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c
 _SIGNATURES = {
     "kiln_rms_forward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _i64, _i64, _dbl,
                          _int],
-    "kiln_rms_backward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr, _i64,
-                          _i64, _int],
+    "kiln_rms_backward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr, _int,
+                          _ptr, _i64, _i64, _int],
     "kiln_rope": [_ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int, _int],
     "kiln_swiglu": [_ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _i64, _i64, _int],
     "kiln_swiglu_backward": [_ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64,

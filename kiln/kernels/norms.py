@@ -128,16 +128,19 @@ def _(x, residual, weight, eps, out_dtype=None):
 
 @torch.library.custom_op("kiln::rms_norm_backward", mutates_args=())
 def rms_norm_backward_op(grad_out: Optional[Tensor], grad_sum: Optional[Tensor], input: Tensor, weight: Tensor,
-                         rstd: Tensor) -> tuple[Tensor, Tensor]:
-    """(grad_input, grad_weight) of out = RMSNorm(input). `grad_sum` (the gradient reaching the
-    residual sum of add_rms_norm through its other uses) is added to grad_input in place."""
+                         rstd: Tensor, low_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_input, grad_weight, grad_input_low) of out = RMSNorm(input). `grad_sum` (the gradient reaching the
+    residual sum of add_rms_norm through its other uses) is added to grad_input in place. `low_dtype`: the
+    third output is grad_input rounded to it as well (a narrowing cast of a gradient that is also read in its
+    own dtype, folded into the kernel); else it is empty."""
     impl = gpu_impl("rms_norm_backward", input)
     if impl is not None:
-        return impl(grad_out, grad_sum, input, weight, rstd)
+        gi, gw = impl(grad_out, grad_sum, input, weight, rstd)
+        return gi, gw, _low_copy(gi, low_dtype)
     if grad_out is None:
         gi = grad_sum.to(input.dtype, copy=True) if grad_sum is not None else torch.zeros_like(input)
-        return gi.contiguous(), torch.zeros_like(weight)
-    done = _rms_backward_native(grad_out, grad_sum, input, weight, rstd)
+        return gi.contiguous(), torch.zeros_like(weight), _low_copy(gi, low_dtype)
+    done = _rms_backward_native(grad_out, grad_sum, input, weight, rstd, low_dtype)
     if done is not None:
         return done
     acc = torch.promote_types(acc_dtype(input.dtype), weight.dtype)
@@ -155,14 +158,19 @@ def rms_norm_backward_op(grad_out: Optional[Tensor], grad_sum: Optional[Tensor],
     grad = gw.addcmul_(sf, coef, value=-1).mul_(rstd)
     if grad_sum is not None:
         grad = grad.add_(grad_sum)
-    return grad.to(input.dtype).contiguous(), grad_weight.reshape(weight.shape)
+    gi = grad.to(input.dtype).contiguous()
+    return gi, grad_weight.reshape(weight.shape), _low_copy(gi, low_dtype)
+
+
+def _low_copy(gi: Tensor, low_dtype: Optional[torch.dtype]) -> Tensor:
+    return gi.to(low_dtype).contiguous() if low_dtype is not None else empty_like_absent(gi)
 
 
 def _rms_backward_native(grad_out: Tensor, grad_sum: Optional[Tensor], input: Tensor, weight: Tensor,
-                         rstd: Tensor):
-    """(grad_input, grad_weight) by native.c's single pass, or None where it does not apply."""
+                         rstd: Tensor, low_dtype: Optional[torch.dtype]):
+    """(grad_input, grad_weight, grad_input_low) by native.c's single pass, or None where it does not apply."""
     d = input.shape[-1] if input.dim() else 0
-    lib = native.usable(grad_out, grad_sum, input, weight)
+    lib = native.usable(grad_out, grad_sum, input, weight) if low_dtype is None or native.supports(low_dtype) else None
     if (lib is None or not 0 < d <= native.ROW_MAX or weight.numel() != d or rstd.dtype != torch.float32
             or grad_out.shape != input.shape or (grad_sum is not None and grad_sum.shape != input.shape)):
         return None
@@ -170,18 +178,21 @@ def _rms_backward_native(grad_out: Tensor, grad_sum: Optional[Tensor], input: Te
     gs = grad_sum.contiguous() if grad_sum is not None else None
     gi = torch.empty(input.shape, dtype=input.dtype)
     gw = torch.empty(weight.shape, dtype=weight.dtype)
+    low = torch.empty(input.shape, dtype=low_dtype) if low_dtype is not None else None
     n = native.threads()
     partial = torch.empty(n * d, dtype=torch.float64)
     native.check(lib.kiln_rms_backward(
         g.data_ptr(), native.code(g), native.ptr(gs), native.code(gs) if gs is not None else 0, s.data_ptr(),
         native.code(s), w.data_ptr(), native.code(w), k.data_ptr(), gi.data_ptr(), native.code(gi), gw.data_ptr(),
-        native.code(gw), partial.data_ptr(), input.numel() // d, d, n), "rms_norm_backward")
-    return gi, gw
+        native.code(gw), native.ptr(low), native.code(low) if low is not None else 0, partial.data_ptr(),
+        input.numel() // d, d, n), "rms_norm_backward")
+    return gi, gw, low if low is not None else empty_like_absent(gi)
 
 
 @rms_norm_backward_op.register_fake
-def _(grad_out, grad_sum, input, weight, rstd):
-    return input.new_empty(input.shape), torch.empty_like(weight)
+def _(grad_out, grad_sum, input, weight, rstd, low_dtype=None):
+    low = input.new_empty(input.shape, dtype=low_dtype) if low_dtype is not None else input.new_empty((0,))
+    return input.new_empty(input.shape), torch.empty_like(weight), low
 
 
 def _rms_setup(ctx, inputs, output):
@@ -194,7 +205,7 @@ def _rms_setup(ctx, inputs, output):
 
 def _rms_backward(ctx, grad_out, _grad_rstd):
     x, weight, rstd = ctx.saved_tensors
-    gx, gw = torch.ops.kiln.rms_norm_backward(grad_out, None, x, weight, rstd)
+    gx, gw, _ = torch.ops.kiln.rms_norm_backward(grad_out, None, x, weight, rstd)
     return gx, gw, None, None
 
 
@@ -208,7 +219,7 @@ def _add_rms_setup(ctx, inputs, output):
 
 def _add_rms_backward(ctx, grad_out, grad_sum, _grad_rstd):
     s, weight, rstd = ctx.saved_tensors
-    gs, gw = torch.ops.kiln.rms_norm_backward(grad_out, grad_sum, s, weight, rstd)
+    gs, gw, _ = torch.ops.kiln.rms_norm_backward(grad_out, grad_sum, s, weight, rstd)
     return gs, gs, gw, None, None  # d(x + residual)/dx = d(x + residual)/d residual = 1
 
 

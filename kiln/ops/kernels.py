@@ -34,21 +34,22 @@ def _backward_op(target, kind: Kind, cast: Cast, **facts) -> None:
 # ---- RMSNorm ----------------------------------------------------------------------------------
 def vjp_rms_norm(b, n, g, _g_rstd=None):
     x, w = n.args[0], n.args[1]
-    gx, gw = b(kiln_ops.rms_norm_backward.default, g, None, x, w, n.outputs[1])
+    gx, gw, _low = b(kiln_ops.rms_norm_backward.default, g, None, x, w, n.outputs[1])
     return gx, gw, None
 
 
 def vjp_add_rms_norm(b, n, g_out, g_sum, _g_rstd=None):
     w = n.args[2]
     _, s, rstd = n.outputs
-    gs, gw = b(kiln_ops.rms_norm_backward.default, g_out, g_sum, s, w, rstd)
+    gs, gw, _low = b(kiln_ops.rms_norm_backward.default, g_out, g_sum, s, w, rstd)
     return gs, gs, gw, None       # x and residual both get d(out)/d(sum) + the sum's own gradient
 
 
 defop(kiln_ops.rms_norm.default, vjp_rms_norm, Kind.NORM, F32, out_dtype=(0,))
 defop(kiln_ops.add_rms_norm.default, vjp_add_rms_norm, Kind.NORM, F32, out_dtype=(0,))
-# reads a bf16 output gradient as it is (converted exactly inside): no widening cast before it
-_backward_op(kiln_ops.rms_norm_backward.default, Kind.NORM, F32, promotes=True)
+# reads a bf16 output gradient as it is (converted exactly inside): no widening cast before it; writes its
+# fp32 input gradient in bf16 too where a cast of it feeds a bf16 matmul's backward (the residual branch)
+_backward_op(kiln_ops.rms_norm_backward.default, Kind.NORM, F32, promotes=True, also_low=(0, 2))
 
 
 # ---- dropout + residual + LayerNorm -----------------------------------------------------------

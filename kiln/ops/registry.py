@@ -74,6 +74,9 @@ class OpDef:
     # outputs whose dtype the kernel's `out_dtype` argument sets (computed wide, rounded once): a narrowing
     # cast of them is folded into the kernel (kiln/passes/casts.py)
     out_dtype: tuple[int, ...] = ()
+    # (i, j): output i, also rounded to the dtype the kernel's `low_dtype` argument names, is output j (empty
+    # otherwise): a narrowing cast of output i that is also read as it is folds into the kernel
+    also_low: tuple[int, int] | None = None
     doc: str = ""
 
     @property

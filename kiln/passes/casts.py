@@ -16,7 +16,9 @@ A narrowing cast rounds, so it cannot be dropped; but a kernel that computes in 
 result once itself (`OpDef.out_dtype`: RMSNorm's output, RoPE's and its backward's): amp's cast of an
 fp32 RMSNorm output to bf16 before a projection, and of RoPE's fp32 result back to bf16 before attention,
 become the kernel's `out_dtype`, with the same values (the kernel computes what the wide op computed and
-rounds it to nearest-even, as the cast did) and one full-size pass and buffer fewer.
+rounds it to nearest-even, as the cast did) and one full-size pass and buffer fewer. Where the wide value is
+read as well (the residual stream's fp32 gradient, which the o_proj/down_proj backward also needs in bf16),
+a kernel that can (`OpDef.also_low`: RMSNorm's backward) writes the narrow copy in the same pass.
 """
 from __future__ import annotations
 
@@ -70,24 +72,39 @@ def fold_widening_casts(graph: Graph) -> int:
 
 
 def fold_narrowing_casts(graph: Graph) -> int:
-    """Fold narrowing casts into the kernels that make their input (`OpDef.out_dtype`). A kernel is rewritten
+    """Fold narrowing casts into the kernels that make their input. `OpDef.out_dtype`: a kernel is rewritten
     when every output its `out_dtype` sets is read only by one cast (directly or through views read only by
-    the next), all to the same dtype, and none is a step output. Returns the number of kernels rewritten."""
+    the next), all to the same dtype, and none is a step output. `OpDef.also_low`: a cast of an output that
+    is also read as it is becomes an extra output the kernel writes in the same pass. Returns the number of
+    kernels rewritten."""
     users, live = graph.users(), graph.live_outputs()
     plans: dict[Node, tuple[torch.dtype, list[Node]]] = {}
+    copies: dict[Node, Node] = {}                # kernel -> the cast of output i that output j replaces
     for n in graph.nodes:
+        if n.op.also_low is not None and "low_dtype" not in n.kwargs:
+            v = n.outputs[n.op.also_low[0]]
+            cast = next((r for r in users.get(v, []) if _narrowing(r) and r.args[0] is v), None)
+            if cast is not None:
+                copies[n] = cast
         if not n.op.out_dtype or "out_dtype" in n.kwargs:
             continue
         chains = [_cast_chain(n.outputs[i], users, live) for i in n.op.out_dtype]
         dtypes = {chain[-1].outputs[0].meta.dtype for chain in chains if chain}
         if all(chains) and len(dtypes) == 1:
             plans[n] = (dtypes.pop(), chains)
-    if not plans:
+    if not plans and not copies:
         return 0
     replace: dict[Value, Value] = {}
     nodes: list[Node] = []
     for n in graph.nodes:
         n.args, n.kwargs = tree_map_values(lambda v: replace.get(v, v), (n.args, n.kwargs))
+        if n in copies:
+            cast = copies[n]
+            outs = Builder(graph, n.phase, n.scope, dest=nodes)(n.target, *n.args, **n.kwargs,
+                                                              low_dtype=cast.outputs[0].meta.dtype)
+            replace.update(zip(n.outputs, outs))
+            replace[cast.outputs[0]] = outs[n.op.also_low[1]]
+            continue
         if n not in plans:
             nodes.append(n)
             continue
@@ -104,7 +121,7 @@ def fold_narrowing_casts(graph: Graph) -> int:
             replace[chain[-1].outputs[0]] = v
     graph.nodes = nodes
     dead_code_elimination(graph)
-    return len(plans)
+    return len(plans) + len(copies)
 
 
 def _cast_chain(v: Value, users, live) -> list[Node]:

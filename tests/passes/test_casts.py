@@ -138,3 +138,23 @@ def test_a_bf16_llama_step_has_no_cast_around_its_kernels_and_trains_bit_for_bit
         users = g.users()
         narrowing = [u for n in kernels for o in n.outputs for u in users.get(o, ()) if casts._narrowing(u)]
         assert not narrowing, narrowing
+
+
+def test_a_cast_of_a_gradient_read_in_both_dtypes_becomes_the_kernels_second_output():
+    """rms_norm_backward's input gradient read as it is (the residual stream, fp32) and cast to bf16 (a bf16
+    matmul's backward): the kernel writes the bf16 copy in the same pass, with the cast's bits."""
+    from kiln.passes.casts import fold_narrowing_casts
+    torch.manual_seed(0)
+    g_out, x, w = torch.randn(4, 6, 32).bfloat16(), torch.randn(4, 6, 32), torch.rand(32) + 0.5
+    rstd = x.pow(2).mean(-1, keepdim=True).add_(1e-6).rsqrt_()
+    g, b, (gv, xv, wv, rv) = graph_with_inputs(g_out, x, w, rstd)
+    gi, _gw, _low = b(torch.ops.kiln.rms_norm_backward.default, gv, None, xv, wv, rv)
+    low = b(aten._to_copy.default, gi, dtype=torch.bfloat16)
+    g.outputs = [b(aten.mul.Tensor, low, low), b(aten.add.Tensor, gi, xv)]
+    want = run(g, g_out, x, w, rstd)
+    assert fold_narrowing_casts(g) == 1 and count(g, aten._to_copy.default) == 0
+    node = next(n for n in g.nodes if n.target is torch.ops.kiln.rms_norm_backward.default)
+    assert node.kwargs.get("low_dtype") is torch.bfloat16 and node.outputs[2].meta.dtype == torch.bfloat16
+    got = run(g, g_out, x, w, rstd)
+    for a, b_ in zip(got, want):
+        assert a.dtype == b_.dtype and torch.equal(a, b_)
