@@ -66,25 +66,15 @@ def _library(isa: str) -> Optional[ctypes.CDLL]:
     if path is None:
         log.info("kiln: no C compiler (%s) found: Kiln's elementwise kernels run as ATen compositions", cc)
         return None
-    flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11", *_ISA_FLAGS.get(isa, [])]
+    base = ["-O3", "-fPIC", "-shared", "-std=c11", *_ISA_FLAGS.get(isa, [])]
     try:
         version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-        source = _SOURCE.read_bytes()
-        digest = hashlib.sha256(repr((source, version, flags, os.path.realpath(path))).encode()).hexdigest()[:16]
         folder = _private_folder()
-        target = folder / f"kiln-native-{isa.lower()}-{digest}.so"
-        if not target.exists():
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
-            os.close(fd)
-            try:
-                done = subprocess.run([path, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True,
-                                      timeout=120)
-                if done.returncode != 0:
-                    raise OSError(f"{cc} failed: {done.stderr.strip()[:400]}")
-                os.replace(tmp, target)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+        try:
+            target = _build(path, version, ["-fopenmp", *base], folder, isa)
+        except OSError as exc:                 # a compiler without OpenMP (Apple's clang): one thread
+            target = _build(path, version, base, folder, isa)
+            log.info("kiln: native CPU kernels built without OpenMP (%s): they run on one thread", exc)
         lib = ctypes.CDLL(str(target))
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
@@ -94,6 +84,27 @@ def _library(isa: str) -> Optional[ctypes.CDLL]:
         log.warning("kiln: could not build Kiln's native CPU kernels (%s); they run as ATen compositions "
                     "(set KILN_NATIVE=0 to silence this)", exc)
         return None
+
+
+def _build(compiler: str, version: str, flags: list[str], folder: Path, isa: str) -> Path:
+    """native.c compiled with `flags` into `folder` (named by a digest of the source, compiler and flags; built
+    once, through a temporary file and a rename, so no reader sees half a library)."""
+    digest = hashlib.sha256(repr((_SOURCE.read_bytes(), version, flags, os.path.realpath(compiler))).encode())
+    target = folder / f"kiln-native-{isa.lower()}-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise OSError(f"{os.path.basename(compiler)} failed: {done.stderr.strip()[:400]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
 
 
 def _private_folder() -> Path:

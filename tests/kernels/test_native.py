@@ -252,3 +252,25 @@ def test_the_build_is_cached_privately(monkeypatch, tmp_path):
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     finally:
         native._library.cache_clear()
+
+
+def test_a_compiler_without_openmp_builds_a_one_thread_library(monkeypatch, tmp_path, caplog):
+    """Apple's clang has no -fopenmp: the loops are built without it (one thread) and still compute right."""
+    import shutil
+    cc = tmp_path / "cc-no-openmp"
+    cc.write_text(f"#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -fopenmp ] && {{ echo 'unsupported option -fopenmp' >&2; "
+                  f"exit 1; }}; done\nexec {shutil.which('cc')} \"$@\"\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    native._library.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="kiln"):
+            assert native.library() is not None
+        assert "without OpenMP" in caplog.text
+        torch.manual_seed(0)
+        gu = torch.randn(64, 600)
+        got = kiln_ops.swiglu(gu[:, :300], gu[:, 300:])
+        assert torch.allclose(got, F.silu(gu[:, :300]) * gu[:, 300:], rtol=1e-6, atol=1e-7)
+    finally:
+        native._library.cache_clear()
