@@ -327,3 +327,40 @@ int kiln_swiglu_backward(const void *grad, int gr_dt, int64_t gr_s, const void *
     }
     return 0;
 }
+
+/* ---- AdamW out of place (ZeRO) -----------------------------------------------------------------------
+ * kiln_adamw_param: the new parameter from p, g and the moments as they will be after this step, written to
+ * p_out; the moments themselves are not written (the step may still fail before its commit).
+ * kiln_adamw_moments: the moments' own update, in place, at the commit. Both compute the new moments with
+ * the same float operations (adamw_moments below), so the committed moments are bit for bit the ones the new
+ * parameter was computed from. The formula is torch.optim.AdamW's: p *= 1 - lr wd; m = lerp(m, g, 1 - b1);
+ * v = v b2 + (1 - b2) g^2; p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), each step rounded as its
+ * single-tensor implementation rounds it (bit for bit the same on the CPUs tried). fp32 contiguous. */
+static inline void adamw_moments(float g, float *m, float *v, float w1, float b2, float w2) {
+    /* lerp(m, g, w1) as ATen's vectorized kernel computes it (one fused multiply-add) */
+    *m = w1 < 0.5f ? fmaf(w1, g - *m, *m) : fmaf(w1 - 1.0f, g - *m, g);
+    *v = fmaf(w2 * g, g, *v * b2);                                         /* v.mul_(b2).addcmul_(g, g, value=w2) */
+}
+
+/* lr, b1, b2, eps, wd in double as Python holds them; weights rounded to float as ATen's scalar ops do */
+int kiln_adamw_param(const float *p, const float *g, const float *m, const float *v, float *p_out, int64_t n,
+                     double lr, double b1, double b2, double eps, double wd, double bc1, double bc2_sqrt,
+                     int threads) {
+    float decay = (float)(1.0 - lr * wd), step = (float)(lr / bc1), root = (float)bc2_sqrt, e = (float)eps;
+    float w1 = (float)(1.0 - b1), fb2 = (float)b2, w2 = (float)(1.0 - b2);
+#pragma omp parallel for simd num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float mi = m[i], vi = v[i];
+        adamw_moments(g[i], &mi, &vi, w1, fb2, w2);
+        float denom = sqrtf(vi) / root + e;
+        p_out[i] = p[i] * decay - step * mi / denom;         /* addcdiv: (value * m) / denom */
+    }
+    return 0;
+}
+
+int kiln_adamw_moments(const float *g, float *m, float *v, int64_t n, double b1, double b2, int threads) {
+    float w1 = (float)(1.0 - b1), fb2 = (float)b2, w2 = (float)(1.0 - b2);
+#pragma omp parallel for simd num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) adamw_moments(g[i], &m[i], &v[i], w1, fb2, w2);
+    return 0;
+}

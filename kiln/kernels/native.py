@@ -47,6 +47,8 @@ _SIGNATURES = {
     "kiln_rms_backward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr, _int,
                           _ptr, _i64, _i64, _int],
     "kiln_rope": [_ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int, _int],
+    "kiln_adamw_param": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _dbl, _dbl, _dbl, _dbl, _dbl, _dbl, _dbl, _int],
+    "kiln_adamw_moments": [_ptr, _ptr, _ptr, _i64, _dbl, _dbl, _int],
     "kiln_swiglu": [_ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _i64, _i64, _int],
     "kiln_swiglu_backward": [_ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64,
                              _i64, _i64, _int],
@@ -66,7 +68,7 @@ def _library(isa: str) -> Optional[ctypes.CDLL]:
     if path is None:
         log.info("kiln: no C compiler (%s) found: Kiln's elementwise kernels run as ATen compositions", cc)
         return None
-    base = ["-O3", "-fPIC", "-shared", "-std=c11", *_ISA_FLAGS.get(isa, [])]
+    base = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", *_ISA_FLAGS.get(isa, [])]
     try:
         version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
         folder = _private_folder()

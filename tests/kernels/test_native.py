@@ -274,3 +274,38 @@ def test_a_compiler_without_openmp_builds_a_one_thread_library(monkeypatch, tmp_
         assert torch.allclose(got, F.silu(gu[:, :300]) * gu[:, 300:], rtol=1e-6, atol=1e-7)
     finally:
         native._library.cache_clear()
+
+
+def test_zero_adamw_out_of_place_writes_nothing_before_the_commit_and_matches_atens_fused_kernel():
+    """ZeRO's out-of-place AdamW (kiln.optim.adamw_update_out) by the native loops: the new parameter is
+    bit for bit ATen's `_fused_adamw_` on copies (what it replaces), the moments and step stay untouched until
+    the commit and then equal torch.optim.AdamW's bit for bit; a step that fails before its commit leaves them
+    as they were."""
+    from kiln import optim
+    from kiln.transaction import step_transaction
+    torch.manual_seed(0)
+    n = 10007
+    p, g = torch.randn(n), torch.randn(n)
+    m, v, step = torch.randn(n) * 0.1, torch.rand(n) * 0.01, torch.tensor(3.0)
+    hyper = (1e-3, 0.9, 0.999, 1e-8, 0.01)
+    want_p, want_m, want_v = p.clone(), m.clone(), v.clone()
+    torch._fused_adamw_([want_p], [g], [want_m], [want_v], [], [step + 1], lr=1e-3, beta1=0.9, beta2=0.999,
+                        weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    ref = torch.nn.Parameter(p.clone())
+    ref.grad = g.clone()
+    torch_opt = torch.optim.AdamW([ref], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    torch_opt.state[ref] = {"step": step.clone(), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    torch_opt.step()
+    mm, vv, ss = m.clone(), v.clone(), step.clone()
+    with pytest.raises(RuntimeError):
+        with step_transaction():
+            optim.adamw_update_out(p, g, mm, vv, ss, *hyper)
+            raise RuntimeError("a collective failed")
+    assert torch.equal(mm, m) and torch.equal(vv, v) and ss.item() == 3.0
+    with step_transaction() as txn:
+        (new_p,) = optim.adamw_update_out(p, g, mm, vv, ss, *hyper)
+        assert torch.equal(mm, m) and torch.equal(vv, v)
+    txn.commit()
+    assert torch.equal(new_p, want_p)
+    assert torch.equal(mm, torch_opt.state[ref]["exp_avg"]) and torch.equal(vv, torch_opt.state[ref]["exp_avg_sq"])
+    assert ss.item() == 4.0 and torch.allclose(new_p, ref.detach(), rtol=1e-6, atol=0)
