@@ -40,6 +40,10 @@ _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma"],
 }
 
+# the kernels (torch.ops.kiln.<name>) whose CPU implementation calls these loops
+OPS = ("rms_norm", "add_rms_norm", "rms_norm_backward", "rope", "rope_backward", "swiglu", "swiglu_backward",
+       "swiglu_linear", "swiglu_linear_backward")
+
 _i64, _int, _dbl, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
 _SIGNATURES = {
     "kiln_rms_forward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _i64, _i64, _dbl,
@@ -78,6 +82,7 @@ def _library(isa: str) -> Optional[ctypes.CDLL]:
             target = _build(path, version, base, folder, isa)
             log.info("kiln: native CPU kernels built without OpenMP (%s): they run on one thread", exc)
         lib = ctypes.CDLL(str(target))
+        _loaded[isa] = str(target)
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
@@ -86,6 +91,19 @@ def _library(isa: str) -> Optional[ctypes.CDLL]:
         log.warning("kiln: could not build Kiln's native CPU kernels (%s); they run as ATen compositions "
                     "(set KILN_NATIVE=0 to silence this)", exc)
         return None
+
+
+_loaded: dict[str, str] = {}          # ISA -> the library file loaded for it
+
+
+def describe() -> str:
+    """One line for `kiln.explain`: whether the kernels run their native loops, for which ISA, from where."""
+    if not enabled():
+        return "off (KILN_NATIVE=0): Kiln's elementwise kernels run as ATen compositions"
+    isa = torch.backends.cpu.get_cpu_capability()
+    if library() is None:
+        return "unavailable (no C compiler or the build failed; see the log): ATen compositions"
+    return f"{isa.lower()} build, {_loaded.get(isa, '?')} (KILN_NATIVE=0 turns them off)"
 
 
 def _build(compiler: str, version: str, flags: list[str], folder: Path, isa: str) -> Path:

@@ -13,6 +13,7 @@ import sys
 import torch
 
 from kiln.errors import KilnError
+from kiln.kernels import native
 from kiln.ir.graph import Phase, Role
 from kiln.ops.functions import Call
 from kiln.ops.registry import Kind, lookup
@@ -112,6 +113,10 @@ def explain(step, file=None, profile: bool = False) -> str:
         fused = collections.Counter(r.fusion for r in records.values())
         lines.append("fused: " + ", ".join(f"{k} x{v}" for k, v in sorted(fused.items())) +
                      f" ({sum(len(r.ops) for r in records.values())} ops replaced)")
+    kernels = {f"kiln.{name}" for name in native.OPS}
+    if any(n.op.name in kernels for n in g.nodes) and any(v.meta is not None and v.meta.device.type == "cpu"
+                                                          for v in g.inputs):
+        lines.append("native loops: " + native.describe())
     if prog.regions:
         from kiln.passes.regions import summary
         lines.append(summary(prog.regions))

@@ -309,3 +309,16 @@ def test_zero_adamw_out_of_place_writes_nothing_before_the_commit_and_matches_at
     assert torch.equal(new_p, want_p)
     assert torch.equal(mm, torch_opt.state[ref]["exp_avg"]) and torch.equal(vv, torch_opt.state[ref]["exp_avg_sq"])
     assert ss.item() == 4.0 and torch.allclose(new_p, ref.detach(), rtol=1e-6, atol=0)
+
+
+def test_explain_says_whether_the_native_loops_run(monkeypatch):
+    import kiln
+    from tests.models import zoo
+    model, _args, batch, _loss = zoo.llama()
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.01), dialects=["kiln", "sdpa", "aten"])
+    step(**batch)
+    text = kiln.explain(step, file=None)
+    line = next(l for l in text.splitlines() if l.startswith("native loops: "))
+    assert torch.backends.cpu.get_cpu_capability().lower() in line and ".so" in line
+    monkeypatch.setenv("KILN_NATIVE", "0")
+    assert "native loops: off (KILN_NATIVE=0)" in kiln.explain(step, file=None)
