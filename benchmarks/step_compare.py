@@ -71,7 +71,10 @@ def make_mode(name, model, ids):
             try:
                 return step(input_ids=ids, labels=ids)
             finally:
-                os.environ.pop("KILN_NATIVE") if before is None else os.environ.__setitem__("KILN_NATIVE", before)
+                if before is None:
+                    del os.environ["KILN_NATIVE"]
+                else:
+                    os.environ["KILN_NATIVE"] = before
         run.step = step
         return run
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)

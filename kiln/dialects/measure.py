@@ -49,6 +49,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from kiln import cachedir
 from kiln.dialects import background
 from kiln.errors import KilnError
 
@@ -323,10 +324,10 @@ def cache_dir(kind: str) -> Path:
     """$KILN_CACHE_DIR/<kind>/torch-<version>/<machine()> (default ~/.cache/kiln/...), each level created 0700.
     A cache root or level not owned by this user, or writable by group or others, is not used (one warning):
     this process then caches in a private temporary folder, removed at exit."""
-    root = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+    root = cachedir.root()
     parts = (kind, f"torch-{torch.__version__}", machine())
     try:
-        return _private(root, parts)
+        return cachedir.private(root, parts)
     except OSError as exc:
         if str(root) not in _refused:
             _refused.add(str(root))
@@ -334,7 +335,7 @@ def cache_dir(kind: str) -> Path:
                         "folder, removed at exit (what to do: use a folder only you can write: chmod 700 it, or "
                         "set KILN_CACHE_DIR)", root, exc)
     try:
-        return _private(_scratch(), parts)
+        return cachedir.private(_scratch(), parts)
     except OSError:                   # no private folder either: a path nothing can be read from or written to
         return Path(os.devnull).joinpath(*parts)
 
@@ -342,7 +343,7 @@ def cache_dir(kind: str) -> Path:
 def existing_cache_dir(kind: str) -> Path | None:
     """`cache_dir(kind)` if it exists already (None otherwise): for readers that must create nothing, such
     as the passes."""
-    version = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln") / kind / f"torch-{torch.__version__}"
+    version = cachedir.root() / kind / f"torch-{torch.__version__}"
     if not version.is_dir() or not (version / machine()).is_dir():   # machine() runs the compiler: only if needed
         return None
     return cache_dir(kind)
@@ -350,22 +351,6 @@ def existing_cache_dir(kind: str) -> Path | None:
 
 _refused: set[str] = set()           # cache roots already warned about
 _scratch_dir: list[str] = []         # this process's private cache when the user's is refused
-
-
-def _private(root: Path, parts: tuple[str, ...]) -> Path:
-    """root/parts..., every level from root down created 0700 and checked: ours, written by no one else."""
-    root.parent.mkdir(parents=True, exist_ok=True)
-    folder = root
-    for part in ("",) + parts:
-        folder = folder / part if part else folder
-        folder.mkdir(mode=0o700, exist_ok=True)
-        st = os.stat(folder)
-        if hasattr(os, "getuid") and st.st_uid != os.getuid():
-            raise PermissionError(f"{folder} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
-        if st.st_mode & 0o022:
-            who = "group and others" if st.st_mode & 0o002 else "its group"
-            raise PermissionError(f"{folder} is writable by {who} (mode {oct(st.st_mode & 0o777)})")
-    return folder
 
 
 def _scratch() -> Path:

@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kiln import cachedir
+
 log = logging.getLogger("kiln")
 
 _SOURCE = Path(__file__).with_name("native.c")
@@ -75,7 +77,7 @@ def _library(isa: str) -> Optional[ctypes.CDLL]:
     base = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", *_ISA_FLAGS.get(isa, [])]
     try:
         version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-        folder = _private_folder()
+        folder = cachedir.private(cachedir.root(), ("native",))   # a shared library is code: ours alone
         try:
             target = _build(path, version, ["-fopenmp", *base], folder, isa)
         except OSError as exc:                 # a compiler without OpenMP (Apple's clang): one thread
@@ -125,19 +127,6 @@ def _build(compiler: str, version: str, flags: list[str], folder: Path, isa: str
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
-
-
-def _private_folder() -> Path:
-    """$KILN_CACHE_DIR/native, created 0700; refused (OSError) when another user owns it or others can write it."""
-    root = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
-    folder = root / "native"
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.stat(folder)
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise OSError(f"{folder} is owned by another user")
-    if st.st_mode & 0o022:
-        raise OSError(f"{folder} is writable by others (mode {oct(st.st_mode & 0o777)})")
-    return folder
 
 
 def library() -> Optional[ctypes.CDLL]:

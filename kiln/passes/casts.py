@@ -143,17 +143,20 @@ def _cast_chain(v: Value, users, live) -> list[Node]:
 
 
 def _narrowing(n: Node) -> bool:
-    if n.target is not aten._to_copy.default or set(n.kwargs) != {"dtype"} or len(n.args) != 1:
-        return False
-    src, out = n.args[0], n.outputs[0]
-    return src.is_float and out.is_float and src.meta.dtype.itemsize > out.meta.dtype.itemsize
+    return _float_cast(n) < 0
 
 
 def _widening(n: Node) -> bool:
+    return _float_cast(n) > 0
+
+
+def _float_cast(n: Node) -> int:
+    """For a plain cast between float dtypes (`_to_copy(x, dtype=...)`): its output's item size less its
+    input's (> 0 widening, < 0 narrowing); 0 for anything else."""
     if n.target is not aten._to_copy.default or set(n.kwargs) != {"dtype"} or len(n.args) != 1:
-        return False
+        return 0
     src, out = n.args[0], n.outputs[0]
-    return src.is_float and out.is_float and src.meta.dtype.itemsize < out.meta.dtype.itemsize
+    return out.meta.dtype.itemsize - src.meta.dtype.itemsize if src.is_float and out.is_float else 0
 
 
 def _copy_of(n: Node, v: Value) -> bool:
