@@ -8,7 +8,7 @@ after its imports:
     except ImportError:  # without kiln: the same computation as the code these calls replaced
         class kiln_kernels:
             @staticmethod
-            def linear_act(x, linear, act):
+            def linear_act(x, linear, act, recompute=False):
                 return act(linear(x))
 
 so the rewritten file still runs where kiln is not installed, computing what the original code
@@ -24,8 +24,8 @@ ALIAS = "kiln_kernels"
 
 # kernel -> (parameters, body): what the call computes, in plain PyTorch (`torch` must be imported)
 EAGER = {
-    "linear_act": ("x, linear, act", "return act(linear(x))"),
-    "linear_gelu_of": ('x, linear, approximate="none"',
+    "linear_act": ("x, linear, act, recompute=False", "return act(linear(x))"),
+    "linear_gelu_of": ('x, linear, approximate="none", recompute=False',
                        "return torch.nn.functional.gelu(linear(x), approximate=approximate)"),
     "act_mul": ("act, gate, up", "return act(gate) * up"),
     "swiglu": ("gate, up", "return torch.nn.functional.silu(gate) * up"),

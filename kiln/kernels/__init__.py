@@ -150,26 +150,35 @@ def activation_kind(act) -> tuple[str, Optional[str]] | None:
     return None
 
 
-def linear_act(x: Tensor, linear: torch.nn.Module, act: Callable[[Tensor], Tensor]) -> Tensor:
-    """`act(linear(x))`, as one `linear_gelu` kernel when `act` is a GELU and `linear` a plain
-    `nn.Linear` (or transformers' `Conv1D`, GPT-2's linear layer with a transposed weight).
+def linear_act(x: Tensor, linear: torch.nn.Module, act: Callable[[Tensor], Tensor], recompute: bool = False
+               ) -> Tensor:
+    """`act(linear(x))`, with ATen's one-pass GELU when `act` is a GELU (also transformers'
+    `NewGELUActivation` and the other classes that write the formula out in several ops).
+
+    `recompute=False` (the default, for speed): `F.gelu(linear(x), approximate=...)`, through the module;
+    the backward keeps the pre-activation, as PyTorch's own GELU does. `recompute=True` (for memory):
+    one `linear_gelu` kernel when `linear` is a plain `nn.Linear` (or transformers' `Conv1D`, GPT-2's
+    linear layer with a transposed weight) that nothing observes; its backward recomputes the
+    pre-activation with one more matmul instead of keeping a (tokens, out_features) tensor per layer.
 
     The checks run on every call (a guard, not a rewrite-time guess): a config that picks another
-    activation, a module with hooks, a quantized or LoRA-wrapped layer (any other class) all run
-    `act(linear(x))` exactly as written. `kiln adopt` writes this call for `act(fc(x))`."""
+    activation runs `act(linear(x))` exactly as written, and a module with hooks, a quantized or
+    LoRA-wrapped layer (any other class) is always called as a module. `kiln adopt` writes this call
+    for `act(fc(x))`."""
     kind = activation_kind(act)
-    weight = _plain_linear_weight(linear) if kind is not None and kind[0] == "gelu" else None
-    if weight is not None:
-        return linear_gelu(x, weight, linear.bias, approximate=kind[1])
-    return act(linear(x))
+    if kind is None or kind[0] != "gelu":
+        return act(linear(x))
+    return linear_gelu_of(x, linear, approximate=kind[1], recompute=recompute)
 
 
-def linear_gelu_of(x: Tensor, linear: torch.nn.Module, approximate: str = "none") -> Tensor:
-    """`F.gelu(linear(x), approximate=approximate)`, as one `linear_gelu` kernel when `linear` is a plain
-    `nn.Linear` (or transformers' `Conv1D`) without hooks; otherwise exactly that call, through the
+def linear_gelu_of(x: Tensor, linear: torch.nn.Module, approximate: str = "none", recompute: bool = False
+                   ) -> Tensor:
+    """`F.gelu(linear(x), approximate=approximate)`. With `recompute=True`, one `linear_gelu` kernel
+    (the backward recomputes the matmul; see `linear_act`) when `linear` is a plain `nn.Linear` (or
+    transformers' `Conv1D`) without hooks; otherwise, and by default, exactly that call, through the
     module (hooks fire, quantized or LoRA-wrapped layers run their own forward). `kiln adopt` writes
     this call for `F.gelu(fc(x), approximate=...)`, whatever decides `approximate`."""
-    weight = _plain_linear_weight(linear) if approximate in ("none", "tanh") else None
+    weight = _plain_linear_weight(linear) if recompute and approximate in ("none", "tanh") else None
     if weight is not None:
         return linear_gelu(x, weight, linear.bias, approximate=approximate)
     return F.gelu(linear(x), approximate=approximate)

@@ -89,3 +89,62 @@ def test_linear_gelu_keeps_no_pre_activation():
 def test_linear_gelu_rejects_unknown_approximation():
     with pytest.raises(ValueError, match="approximate"):
         K.linear_gelu(torch.randn(2, 4), torch.randn(3, 4), None, "erf")
+
+
+class _TanhFormulaGELU(torch.nn.Module):
+    """transformers' NewGELUActivation as written there (the tanh approximation in several ops);
+    recognized by class name and module, so this stand-in takes both."""
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+_TanhFormulaGELU.__name__ = "NewGELUActivation"
+_TanhFormulaGELU.__module__ = "transformers.activations"
+
+ACTS = {"nn.GELU": (torch.nn.GELU(), "none"), "nn.GELU-tanh": (torch.nn.GELU(approximate="tanh"), "tanh"),
+        "NewGELUActivation": (_TanhFormulaGELU(), "tanh")}
+
+
+def _linear_act_case(act_name):
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(32, 80)
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    return fc, x, ACTS[act_name][0]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("act_name", list(ACTS))
+def test_linear_act_matches_the_module_and_its_gradients(act_name, recompute):
+    fc, x, act = _linear_act_case(act_name)
+    ref_out = act(fc(x))
+    ref_grads = torch.autograd.grad(ref_out.square().sum(), [x, fc.weight, fc.bias])
+    out = K.linear_act(x, fc, act, recompute=recompute)
+    grads = torch.autograd.grad(out.square().sum(), [x, fc.weight, fc.bias])
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("act_name", list(ACTS))
+def test_linear_act_trades_memory_only_when_asked(act_name):
+    """By default the pre-activation is kept (no second matmul in the backward), as F.gelu keeps it,
+    and never more than the activation as written keeps; recompute=True keeps nothing but the input."""
+    fc, x, act = _linear_act_case(act_name)
+    pre_activation = 4 * 16 * 80 * 4
+    inputs = [x, fc.weight, fc.bias]
+    as_written = refs.saved_bytes(lambda x, *_: act(fc(x)), inputs)
+    default = refs.saved_bytes(lambda x, *_: K.linear_act(x, fc, act), inputs)
+    assert default == pre_activation <= as_written
+    assert refs.saved_bytes(lambda x, *_: K.linear_act(x, fc, act, recompute=True), inputs) == 0
+    if act_name == "NewGELUActivation":                 # the formula keeps several full-size temporaries
+        assert as_written >= 3 * pre_activation
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_linear_gelu_of_goes_through_an_observed_module(recompute):
+    fc, x, _ = _linear_act_case("nn.GELU")
+    calls = []
+    fc.register_forward_hook(lambda m, i, o: calls.append(1))
+    out = K.linear_gelu_of(x, fc, approximate="tanh", recompute=recompute)
+    assert calls == [1]
+    torch.testing.assert_close(out, torch.nn.functional.gelu(fc(x), approximate="tanh"))
