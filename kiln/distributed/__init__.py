@@ -24,7 +24,7 @@ class DataParallel:
     `torch.nn.parallel.DistributedDataParallel` does, with the collectives inside the compiled step:
     gradients are grouped into buckets of `bucket_mb` MiB in the order the backward produces them, and
     each bucket's collective starts as soon as its last gradient exists, overlapping the rest of the
-    backward; they are waited for just before the update.
+    backward (see `overlap`).
 
     Args:
         zero: 0: every rank holds and updates everything (an all-reduce per bucket). 1 (ZeRO-1): each rank
@@ -40,7 +40,13 @@ class DataParallel:
             `StepError` (a rank that exits makes the others fail at once).
         check_timeout: seconds the ranks may take to reach the same compile (they compare their programs
             after compiling, and a compile with measured kernels can take minutes).
-        overlap: False issues every collective at the end of the backward (to measure what overlap hides).
+        overlap: True (default): each bucket's collective starts as soon as its gradients exist; with ZeRO,
+            each bucket's update and all-gather also run during the backward, right after the next
+            bucket's collective is issued (not with clipping or fp16, which need every gradient first),
+            which holds each updated bucket's gathered parameters from then to the step's end.
+            "gradients": only the gradient collectives overlap the backward; ZeRO's updates and
+            all-gathers follow it. False: every collective starts at the end of the backward (to measure
+            what overlap hides).
 
     The ranks check at `kiln.compile` that they hold the same model (names, shapes, dtypes) and
     arguments, then take rank 0's parameters and buffers (as DDP does); after each compile, that they
@@ -49,20 +55,20 @@ class DataParallel:
     """
 
     def __init__(self, zero: int = 0, bucket_mb: float = 25.0, process_group=None, timeout: float = 60.0,
-                 check_timeout: float = 900.0, overlap: bool = True):
+                 check_timeout: float = 900.0, overlap: bool | str = True):
         if zero not in (0, 1, 2) or isinstance(zero, bool):
             raise KilnError(f"DataParallel(zero=...) must be 0, 1 or 2, got {zero!r}")
         for name, v in (("bucket_mb", bucket_mb), ("timeout", timeout), ("check_timeout", check_timeout)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise KilnError(f"DataParallel({name}=...) must be a positive number, got {v!r}")
-        if not isinstance(overlap, bool):
-            raise KilnError(f"DataParallel(overlap=...) must be True or False, got {overlap!r}")
+        if not isinstance(overlap, bool) and overlap != "gradients":
+            raise KilnError(f"DataParallel(overlap=...) must be True, \"gradients\" or False, got {overlap!r}")
         self.zero, self.bucket_mb, self.process_group = zero, float(bucket_mb), process_group
         self.timeout, self.check_timeout, self.overlap = float(timeout), float(check_timeout), overlap
 
     def __repr__(self) -> str:
         return (f"DataParallel(zero={self.zero}, bucket_mb={self.bucket_mb:g}, timeout={self.timeout:g}, "
-                f"overlap={self.overlap})")
+                f"overlap={self.overlap!r})")
 
 
 def consolidate(shards: list[dict]) -> dict:

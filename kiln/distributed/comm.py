@@ -136,6 +136,14 @@ class Comm:
         self.attempts += 1
         return self.attempts
 
+    def settle(self) -> None:
+        """Wait for every collective of this step still in flight and discard the results: for a step that
+        stops where every rank stops alike (the non-finite guard, decided over all ranks), after every rank
+        has issued the same collectives (ZeRO's all-gathers started during the backward), so the ranks
+        stay in step and the next step may run."""
+        for p in list(self.in_flight.values()):
+            p.wait()
+
     def issue(self, what: str, kind: str, out, buffer, info=None, drop: str | None = None) -> Pending:
         """Start `kind` ("all_reduce", "reduce_scatter", "all_gather") of `buffer` into `out` asynchronously;
         `info` travels with the handle (the bucket); `drop`: see `Pending`.

@@ -168,6 +168,7 @@ def check_finite_ranks(comm, after, loss, grads, names, mode):
                 f"a gradient on another rank is not finite ({int(bad.item())} of {comm.world} ranks)")
     else:
         what = f"the loss averaged over the {comm.world} ranks is {loss.item()}"
+    comm.settle()           # every rank stops here alike: the all-gathers already issued complete everywhere
     not_finite(what, loss, mode, " on every rank")
 
 
@@ -178,4 +179,7 @@ CHECK_FINITE_RANKS = _op(check_finite_ranks, "the non-finite guard over ZeRO sha
                          cost=lambda n: float(sum(g.meta.numel for g in n.args[3])))
 
 STARTS = (LOSS_START, REDUCE_START, GATHER_START)
+# the position of `after` (the previously issued collective's handle) in each chained op's arguments
+AFTER = {op.name: i for op, i in ((REDUCE_START, 3), (GATHER_START, 2), (SUM_OVER_RANKS, 1), (GRAD_NORM, 1),
+                                  (CHECK_FINITE_RANKS, 1))}
 WAITS = (LOSS_WAIT, REDUCE_WAIT, GATHER_WAIT)

@@ -17,7 +17,9 @@ Every start takes the previous collective's handle as an input (`after`): the is
 dependency, the same on every rank, whatever later passes (regions) reorder.
 
 `gather_params` (after the optimizer, ZeRO): each updated shard's all-gather starts right after its
-update; the waits at the end stage every parameter's write, applied at the step's commit.
+update; the waits at the end stage every parameter's write, applied at the step's commit. With overlap,
+a bucket's wait and update move into the backward (after the next bucket's collective is issued) where
+nothing they read comes later, so its all-gather overlaps the rest of the backward.
 
 The optimizer pass asks the `Plan` for what needs every rank when gradients are sharded: the guard
 (`check_finite`), the clipping norm (`grad_norm`), fp16's overflow flag (`sum_over_ranks`).
@@ -49,6 +51,7 @@ class Plan:
     layout: tuple[Bucket, ...]
     loss: Value                   # the loss averaged over the ranks: what the non-finite guard checks
     last: Value                   # the latest collective's handle: the next one is issued after it
+    early: list = dataclasses.field(default_factory=list)   # ZeRO buckets updated during the backward
 
     @property
     def sharded(self) -> bool:
@@ -161,24 +164,96 @@ def reduce_gradients(ctx) -> int:
 
 def gather_params(ctx) -> int:
     """ZeRO: all-gather each bucket's updated shard (started right after its update), then stage the
-    parameters' writes (at the end: the step commits them with everything else)."""
+    parameters' writes (at the end: the step commits them with everything else).
+
+    With `overlap=True`, a bucket's wait, update and all-gather move into the backward, right after the
+    next bucket's collective is issued (`_update_early`), so the all-gathers overlap the rest of the
+    backward instead of starting after it."""
     plan = ctx.collectives
     if plan is None or not plan.sharded:
         return 0
     g = ctx.graph
     params = {v.source: v for v in g.inputs_with(Role.PARAM)}
+    ups = [u for u in ctx.updates if u.out_of_place]
+    early = _update_early(g, plan, ups) if ctx.parallel.overlap is True else {}
+    plan.early = sorted(early)
     pos = {n.uid: i for i, n in enumerate(g.nodes)}
     ins = _Inserts(g)
     handles = []
-    for bucket, u in zip(plan.layout, [u for u in ctx.updates if u.out_of_place]):
-        (h,) = ins.emit(pos[u.new.producer.uid], Phase.OPTIMIZER, f"{SCOPE}.bucket{bucket.index}", C.GATHER_START,
-                        (plan.comm, bucket, plan.last, u.new), [None])
-        plan.last = h
+    for bucket, u in zip(plan.layout, ups):
+        at = early.get(bucket.index, u.new.producer)
+        (h,) = ins.emit(pos[at.uid], Phase.OPTIMIZER, f"{SCOPE}.bucket{bucket.index}", C.GATHER_START,
+                        (plan.comm, bucket, None, u.new), [None])
         handles.append(h)
     for bucket, h in zip(plan.layout, handles):
         ins.emit(len(g.nodes) - 1, Phase.OPTIMIZER, f"{SCOPE}.bucket{bucket.index}", C.GATHER_WAIT,
                  (h, [params[name] for name in bucket.names]), [])
-    return ins.splice()
+    added = ins.splice()
+    plan.last = _chain_in_order(g)
+    return added
+
+
+def _update_early(g: Graph, plan: Plan, ups: list) -> dict[int, Node]:
+    """Moves each bucket's wait, shard copy and out-of-place update (every optimizer-phase node its new
+    shard is computed from) to right after the next bucket's collective is issued, where the bucket's own
+    collective has had a bucket's worth of backward to complete. Returns {bucket index: the last moved
+    node}, after which its all-gather starts.
+
+    Only where that is exact: the moved nodes may read nothing computed after that point but their own
+    wait (graph inputs, this bucket's handle), so an update that needs every gradient (the clipping norm,
+    fp16's overflow flag) stays after the backward. The non-finite guard stays at the end: the updates
+    only stage their writes, so a guard that raises or skips drops them with the rest of the step."""
+    starts = {n.args[1].index: n for n in g.nodes if n.op is C.REDUCE_START}
+    moved: dict[int, Node] = {}
+    for bucket, u in zip(plan.layout[:-1], ups):
+        anchor = starts.get(bucket.index + 1)
+        nodes = _optimizer_slice(u.new) if anchor is not None and u.new is not None else None
+        if not nodes:
+            continue
+        pos = {n.uid: i for i, n in enumerate(g.nodes)}
+        mine = {n.uid for n in nodes}
+        if any(v.producer is not None and v.producer.uid not in mine and pos[v.producer.uid] > pos[anchor.uid]
+               for n in nodes for v in n.inputs):
+            continue
+        rest = [n for n in g.nodes if n.uid not in mine]
+        at = rest.index(anchor) + 1
+        g.nodes = rest[:at] + sorted(nodes, key=lambda n: pos[n.uid]) + rest[at:]
+        moved[bucket.index] = max(nodes, key=lambda n: pos[n.uid])
+    return moved
+
+
+def _optimizer_slice(new: Value) -> list[Node] | None:
+    """The optimizer-phase nodes `new` is computed from; None when one of them is a collective other than
+    its bucket's wait and shard copy (a norm or flag over every rank's gradients)."""
+    seen, stack, out = set(), [new.producer], []
+    while stack:
+        n = stack.pop()
+        if n is None or n.uid in seen or n.phase is not Phase.OPTIMIZER:
+            continue
+        seen.add(n.uid)
+        if n.op.kind is Kind.COLLECTIVE and n.op not in (C.REDUCE_WAIT, C.SHARD_PARAMS):
+            return None
+        out.append(n)
+        stack.extend(v.producer for v in n.inputs)
+    return out
+
+
+def _chain_in_order(g: Graph) -> Value | None:
+    """Each collective's `after` argument becomes the handle of the collective issued before it in the
+    program's order (passes may have moved them): the issue order is the same data dependency on every
+    rank. Returns the last one."""
+    last = None
+    for n in g.nodes:
+        if n.op is C.LOSS_START:            # the first collective of a step
+            last = n.outputs[0]
+            continue
+        at = C.AFTER.get(n.op.name)
+        if at is None or n.args[0] is None:
+            continue
+        if last is not None:
+            n.args = n.args[:at] + (last,) + n.args[at + 1:]
+        last = n.outputs[0]
+    return last
 
 
 def _check_layout(layout: tuple[Bucket, ...], ups: list) -> None:

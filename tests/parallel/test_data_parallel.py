@@ -28,7 +28,7 @@ def _check_parity(results: list[dict], world: int) -> None:
     assert all(r is not None for r in results), "a rank wrote no result"
     for per_rank in zip(*(r["parity"] for r in results)):
         c = per_rank[0]
-        what = f"zero={c['zero']} amp={c['amp']} clip={c['clip']} on {world} ranks"
+        what = f"zero={c['zero']} amp={c['amp']} clip={c['clip']} overlap={c['overlap']} on {world} ranks"
         for r in per_rank:
             assert r["rel"] <= REL, f"{what}: parameters differ from the reference by {r['rel']:.2e} relative"
             assert r["same"], f"{what}: the ranks hold different parameters"
@@ -37,7 +37,11 @@ def _check_parity(results: list[dict], world: int) -> None:
             assert len(r["norms"]) == (5 if c["clip"] else 0), what
             for got, want in r["norms"]:             # step.grad_norm: what clip_grad_norm_ returns under DDP
                 assert abs(got - want) <= 1e-5 * want, f"{what}: gradient norm {got} vs {want}"
-    first = {(c["zero"], c["amp"], c["clip"]): c for c in results[0]["parity"]}
+        # ZeRO's updates and all-gathers run during the backward unless the update needs every gradient
+        # first (clipping) or overlap="gradients" keeps them after it; with one bucket nothing is left to move
+        many = c["buckets"] > 1
+        assert c["gathers_in_backward"] == (c["zero"] > 0 and c["clip"] is None and c["overlap"] is True and many), what
+    first = {(c["zero"], c["amp"], c["clip"]): c for c in results[0]["parity"] if c["overlap"] is True}
     # memory: ZeRO keeps 1/N of the optimizer state (bucket padding and one step counter per bucket aside)
     z0, z1 = first[(0, None, None)], first[(1, None, None)]
     assert z1["state_bytes"] <= z0["state_bytes"] / world + 64 * z1["buckets"], (z0["state_bytes"], z1["state_bytes"])
