@@ -20,11 +20,11 @@ from torch import Tensor
 from torch.nn.modules import module as _module
 
 from kiln.kernels._common import GPU_IMPLS
-from kiln.kernels import activations, cross_entropy, norms, rope as _rope  # noqa: F401  (registers the ops)
+from kiln.kernels import activations, cross_entropy, logit_loss, norms, rope as _rope  # noqa: F401  (registers the ops)
 from kiln.kernels.ctc import ctc_loss
 
 __all__ = ["rms_norm", "dropout_add_layer_norm", "linear_gelu", "swiglu", "swiglu_linear", "rope",
-           "linear_cross_entropy", "ctc_loss", "activation_kind", "linear_act", "linear_gelu_of", "act_mul", "GPU_IMPLS",
+           "linear_cross_entropy", "cross_entropy", "ctc_loss", "activation_kind", "linear_act", "linear_gelu_of", "act_mul", "GPU_IMPLS",
            "OPS"]
 
 _k = torch.ops.kiln
@@ -38,6 +38,7 @@ OPS = {name: getattr(_k, name).default for name in (
     "rope", "rope_backward",
     "linear_cross_entropy", "linear_cross_entropy_backward",
     "linear_cross_entropy_grads", "linear_cross_entropy_grads_backward",
+    "softmax_cross_entropy", "softmax_cross_entropy_backward",
     "ctc_loss", "ctc_loss_backward")}
 
 
@@ -119,6 +120,21 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
     The loss is float32 for half-precision inputs (the softmax statistics always are).
     """
     return _k.linear_cross_entropy(hidden, weight, labels, int(ignore_index), reduction, int(chunk_size or 0))[0]
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """`F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)` for (N, C) logits and
+    (N,) int64 class labels, in fewer passes over the logits (op `kiln::softmax_cross_entropy`): the forward reads
+    them once and keeps one fp32 log-sum-exp per row (not the log-softmax, a second logits-sized tensor),
+    the backward reads them once and writes their gradient. Computed in fp32, returned in the logits' dtype.
+
+    Other inputs (class dimension 1 with more dims, probabilities as targets, other label dtypes) run
+    `F.cross_entropy` as given. `kiln adopt` writes this call for a default `nn.CrossEntropyLoss()` /
+    `F.cross_entropy` over flattened logits."""
+    if logits.dim() != 2 or labels.dim() != 1 or labels.dtype != torch.int64 or not logits.is_floating_point() \
+            or labels.shape[0] != logits.shape[0]:
+        return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+    return _k.softmax_cross_entropy(logits, labels, int(ignore_index), reduction)[0]
 
 
 # -- activations chosen at run time (config lookups such as transformers' ACT2FN[config.hidden_act]) --

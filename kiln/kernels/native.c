@@ -364,3 +364,97 @@ int kiln_adamw_moments(const float *g, float *m, float *v, int64_t n, double b1,
     for (int64_t i = 0; i < n; i++) adamw_moments(g[i], &m[i], &v[i], w1, fb2, w2);
     return 0;
 }
+
+/* ---- cross-entropy over rows of logits (kiln/kernels/logit_loss.py) --------------------------------
+ * x: rows x cols, row stride xs (elements), dense last dimension, fp32 or bf16; labels int64.
+ * Forward: lse[r] = log(sum_j exp(x_rj)) (shifted by the row's max; each block's sum in fp32 lanes, the
+ * blocks added in double) and loss[r] = lse[r] - x[r, labels[r]], in fp32; a row whose label is `ignore`
+ * gets 0 and 0. Returns 2 (the rest computed) when a label is outside [0, cols) and not `ignore`.
+ * Backward: grad[r, j] = (exp(x_rj - lse[r]) - [j == labels[r]]) * scale[r * ss] (ss 0: one scale for all
+ * rows), written in g_dt with row stride gs; 0 on ignored rows. Reads x once and writes grad once. */
+static inline float exp_or_zero(float d) { return d < -87.3f ? 0.0f : exp_approx(d); }
+
+int kiln_ce_forward(const void *x, int dt, int64_t xs, const int64_t *labels, int64_t ignore, float *loss,
+                    float *lse, int64_t rows, int64_t cols, int threads) {
+    int bad = 0;
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+        float buf[BLOCK];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t y = labels[r];
+            if (y == ignore) {
+                loss[r] = 0.0f;
+                lse[r] = 0.0f;
+                continue;
+            }
+            if (y < 0 || y >= cols) {
+                bad = 1;
+                loss[r] = lse[r] = NAN;
+                continue;
+            }
+            const void *row = elem(x, dt, r * xs);
+            float m = -INFINITY;
+            int nan = 0;
+            for (int64_t lo = 0; lo < cols; lo += BLOCK) {
+                int64_t n = cols - lo < BLOCK ? cols - lo : BLOCK;
+                const float *v = in_row(buf, elem(row, dt, lo), dt, n);
+#pragma omp simd reduction(max : m) reduction(| : nan)
+                for (int64_t j = 0; j < n; j++) {
+                    m = v[j] > m ? v[j] : m;
+                    nan |= v[j] != v[j];
+                }
+            }
+            if (nan || m == INFINITY || m == -INFINITY) {   /* as log_softmax: NaN (all -inf, +inf, NaN) */
+                loss[r] = lse[r] = NAN;
+                continue;
+            }
+            double s = 0.0;
+            for (int64_t lo = 0; lo < cols; lo += BLOCK) {
+                int64_t n = cols - lo < BLOCK ? cols - lo : BLOCK;
+                const float *v = in_row(buf, elem(row, dt, lo), dt, n);
+                float bs = 0.0f;
+#pragma omp simd reduction(+ : bs)
+                for (int64_t j = 0; j < n; j++) bs += exp_or_zero(v[j] - m);
+                s += bs;
+            }
+            float l = m + (float)log(s);
+            float xy;
+            load(&xy, elem(row, dt, y), dt, 1);
+            lse[r] = l;
+            loss[r] = l - xy;
+        }
+    }
+    return bad ? 2 : 0;
+}
+
+int kiln_ce_backward(const void *x, int dt, int64_t xs, const int64_t *labels, int64_t ignore, const float *lse,
+                     const float *scale, int64_t ss, void *grad, int g_dt, int64_t gs, int64_t rows, int64_t cols,
+                     int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float xb[BLOCK], ob[BLOCK];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t y = labels[r];
+            float l = lse[r], s = scale[r * ss];
+            int skip = y == ignore;
+            const void *row = elem(x, dt, r * xs);
+            void *grow = elem_out(grad, g_dt, r * gs);
+            for (int64_t lo = 0; lo < cols; lo += BLOCK) {
+                int64_t n = cols - lo < BLOCK ? cols - lo : BLOCK;
+                float *o = out_row(ob, elem_out(grow, g_dt, lo), g_dt);
+                if (skip) {
+                    memset(o, 0, (size_t)n * sizeof(float));
+                } else {
+                    const float *v = in_row(xb, elem(row, dt, lo), dt, n);
+#pragma omp simd
+                    for (int64_t j = 0; j < n; j++) o[j] = exp_or_zero(v[j] - l) * s;
+                    if (y >= lo && y < lo + n) o[y - lo] = (exp_or_zero(v[y - lo] - l) - 1.0f) * s;
+                }
+                out_done(elem_out(grow, g_dt, lo), g_dt, o, n);
+            }
+        }
+    }
+    return 0;
+}

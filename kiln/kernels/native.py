@@ -44,7 +44,7 @@ _ISA_FLAGS = {
 
 # the kernels (torch.ops.kiln.<name>) whose CPU implementation calls these loops
 OPS = ("rms_norm", "add_rms_norm", "rms_norm_backward", "rope", "rope_backward", "swiglu", "swiglu_backward",
-       "swiglu_linear", "swiglu_linear_backward")
+       "swiglu_linear", "swiglu_linear_backward", "softmax_cross_entropy", "softmax_cross_entropy_backward")
 
 _i64, _int, _dbl, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
 _SIGNATURES = {
@@ -58,6 +58,8 @@ _SIGNATURES = {
     "kiln_swiglu": [_ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _i64, _i64, _int],
     "kiln_swiglu_backward": [_ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64,
                              _i64, _i64, _int],
+    "kiln_ce_forward": [_ptr, _int, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _int],
+    "kiln_ce_backward": [_ptr, _int, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _int, _i64, _i64, _i64, _int],
 }
 
 

@@ -205,6 +205,20 @@ defop(kiln_ops.linear_cross_entropy_grads.default, vjp_linear_cross_entropy_grad
 _backward_op(kiln_ops.linear_cross_entropy_grads_backward.default, Kind.LOSS, FOLLOW)
 
 
+# ---- cross-entropy on given logits: one log-sum-exp per row kept, the backward writes the gradient --------
+def vjp_cross_entropy(b, n, g, _g_lse=None):
+    logits, labels = n.args[0], n.args[1]
+    ignore_index, reduction = arg(n, 2, "ignore_index"), arg(n, 3, "reduction")
+    return (b(kiln_ops.softmax_cross_entropy_backward.default, g, logits, labels, n.outputs[1], ignore_index, reduction),
+            None, None, None)
+
+
+# fp32 under amp, as autocast runs F.cross_entropy (the kernel would read bf16 logits as they are, but the
+# loss would then be rounded to bf16)
+defop(kiln_ops.softmax_cross_entropy.default, vjp_cross_entropy, Kind.LOSS, F32)
+_backward_op(kiln_ops.softmax_cross_entropy_backward.default, Kind.LOSS, F32)
+
+
 # ---- CTC loss (lengths as tensors): the backward recomputes ATen's alignment table ---------------
 def vjp_ctc_loss(b, n, g):
     lp, targets, il, tl = n.args[:4]

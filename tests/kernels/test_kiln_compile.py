@@ -114,7 +114,7 @@ EXPECTED = {  # op: (kind, cast)
     "swiglu_linear": (Kind.MATMUL, Cast.LOWER), "linear_gelu": (Kind.MATMUL, Cast.LOWER),
     "rope": (Kind.POINTWISE, Cast.FOLLOW), "linear_cross_entropy": (Kind.LOSS, Cast.LOWER),
     "linear_cross_entropy_grads": (Kind.LOSS, Cast.LOWER),
-    "ctc_loss": (Kind.LOSS, Cast.FP32),
+    "ctc_loss": (Kind.LOSS, Cast.FP32), "softmax_cross_entropy": (Kind.LOSS, Cast.FP32),
 }
 
 

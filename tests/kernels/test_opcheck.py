@@ -80,6 +80,12 @@ def samples():
                      DETERMINISTIC),
                     (f"lce_grads_backward-{red}-{tag}", k.linear_cross_entropy_grads_backward.default,
                      (torch.randn_like(loss), gh, gw, scale, dt), DETERMINISTIC)]
+        logits, yc = _r(7, 30, dtype=dt), y.reshape(-1)[:7]
+        for red in ("mean", "sum", "none"):
+            loss, lse = k.softmax_cross_entropy(*_plain(logits), yc, -100, red)
+            out += [(f"ce-{red}-{tag}", k.softmax_cross_entropy.default, (logits, yc, -100, red), DETERMINISTIC),
+                    (f"ce_backward-{red}-{tag}", k.softmax_cross_entropy_backward.default,
+                     (torch.randn_like(loss), *_plain(logits), yc, lse, -100, red), DETERMINISTIC)]
         lp = _r(12, 3, 6, dtype=dt).log_softmax(-1).detach().requires_grad_()
         ctc = (torch.randint(1, 6, (3, 5)), torch.tensor([12, 10, 7]), torch.tensor([5, 3, 1]))
         out += [(f"ctc_loss-{red}-{tag}", k.ctc_loss.default, (lp, *ctc, 0, red, True), DETERMINISTIC)

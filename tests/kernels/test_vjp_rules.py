@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.kernels._common import acc_dtype
+
 import kiln.kernels  # noqa: F401  (defines torch.ops.kiln.*)
 from kiln.ops.registry import lookup
 from tests.kernels import refs
@@ -69,6 +71,12 @@ def _r(*s, dtype):
     return torch.randn(*s, dtype=dtype)
 
 
+def _ce_ref(x, y, ignore_index, reduction):
+    """F.cross_entropy and the per-row log-sum-exp (0 on ignored rows; not differentiable)."""
+    lse = torch.where(y != ignore_index, torch.logsumexp(x.detach(), -1), 0.0).to(acc_dtype(x.dtype))
+    return F.cross_entropy(x, y, ignore_index=ignore_index, reduction=reduction), lse
+
+
 CASES = [
     Case("rms_norm", k.rms_norm.default, lambda d: (_r(3, 4, 16, dtype=d), _r(16, dtype=d), 1e-6),
          lambda x, w, eps: (refs.rms_norm(x, w, eps), _rstd(x, eps))),
@@ -104,6 +112,10 @@ CASES = [
     Case("linear_cross_entropy_grads-sum", k.linear_cross_entropy_grads.default,
          lambda d: (_r(7, 8, dtype=d), _r(20, 8, dtype=d), torch.tensor([1, -100, 3, 4, 19, 0, -100]), -100, "sum", 0),
          _lce_grads_ref),
+    Case("softmax_cross_entropy", k.softmax_cross_entropy.default,
+         lambda d: (_r(7, 20, dtype=d) * 3, torch.tensor([1, -100, 3, 4, 19, 0, 2]), -100, "mean"), _ce_ref),
+    Case("softmax_cross_entropy-none", k.softmax_cross_entropy.default,
+         lambda d: (_r(6, 9, dtype=d), torch.tensor([1, -100, 3, 4, 8, 0]), -100, "none"), _ce_ref),
     # lengths as tensors: the reference is torch's own CTC loss
     Case("ctc_loss", k.ctc_loss.default,
          lambda d: (_r(12, 3, 6, dtype=d).log_softmax(-1), torch.randint(1, 6, (3, 5)), torch.tensor([12, 10, 7]),
