@@ -367,8 +367,8 @@ int kiln_adamw_moments(const float *g, float *m, float *v, int64_t n, double b1,
 
 /* ---- cross-entropy over rows of logits (kiln/kernels/logit_loss.py) --------------------------------
  * x: rows x cols, row stride xs (elements), dense last dimension, fp32 or bf16; labels int64.
- * Forward: lse[r] = log(sum_j exp(x_rj)) (shifted by the row's max; each block's sum in fp32 lanes, the
- * blocks added in double) and loss[r] = lse[r] - x[r, labels[r]], in fp32; a row whose label is `ignore`
+ * Forward: lse[r] = log(sum_j exp(x_rj)) (shifted by the row's max, summed in double) and
+ * loss[r] = lse[r] - x[r, labels[r]] (in double, then rounded to fp32); a row whose label is `ignore`
  * gets 0 and 0. Returns 2 (the rest computed) when a label is outside [0, cols) and not `ignore`.
  * Backward: grad[r, j] = (exp(x_rj - lse[r]) - [j == labels[r]]) * scale[r * ss] (ss 0: one scale for all
  * rows), written in g_dt with row stride gs; 0 on ignored rows. Reads x once and writes grad once. */
@@ -413,16 +413,16 @@ int kiln_ce_forward(const void *x, int dt, int64_t xs, const int64_t *labels, in
             for (int64_t lo = 0; lo < cols; lo += BLOCK) {
                 int64_t n = cols - lo < BLOCK ? cols - lo : BLOCK;
                 const float *v = in_row(buf, elem(row, dt, lo), dt, n);
-                float bs = 0.0f;
+                double bs = 0.0;
 #pragma omp simd reduction(+ : bs)
-                for (int64_t j = 0; j < n; j++) bs += exp_or_zero(v[j] - m);
+                for (int64_t j = 0; j < n; j++) bs += (double)exp_or_zero(v[j] - m);
                 s += bs;
             }
-            float l = m + (float)log(s);
+            double l = (double)m + log(s);
             float xy;
             load(&xy, elem(row, dt, y), dt, 1);
-            lse[r] = l;
-            loss[r] = l - xy;
+            lse[r] = (float)l;
+            loss[r] = (float)(l - (double)xy);
         }
     }
     return bad ? 2 : 0;
