@@ -104,8 +104,10 @@ static inline void share(int64_t n, int64_t *lo, int64_t *hi) {
 
 /* ---- exp with plain arithmetic (vectorizes; within 2 ulp of expf over the range that matters) ---- */
 static inline float exp_approx(float x) {
-    x = x < -87.3f ? -87.3f : x;               /* 2^n stays a normal number (fminf/fmaxf would not vectorize; */
-    x = x > 88.3f ? 88.3f : x;                 /* NaN passes through these compares unchanged) */
+    float c = x < -87.3f ? -87.3f : x;         /* 2^n stays a normal number (fminf/fmaxf would not vectorize) */
+    c = c > 88.3f ? 88.3f : c;
+    x = x != x ? x : c;                        /* NaN stays NaN; said outright, gcc turns the clamps into */
+                                               /* min/max and the loops vectorize on AVX2 too */
     /* n = round(x / ln 2) by the 1.5 * 2^23 trick (floorf would keep the loop from vectorizing) */
     float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = fmaf(n, -0.693359375f, x);      /* ln 2 split in two: r = x - n ln2, exact high part */
@@ -372,7 +374,43 @@ int kiln_adamw_moments(const float *g, float *m, float *v, int64_t n, double b1,
  * gets 0 and 0. Returns 2 (the rest computed) when a label is outside [0, cols) and not `ignore`.
  * Backward: grad[r, j] = (exp(x_rj - lse[r]) - [j == labels[r]]) * scale[r * ss] (ss 0: one scale for all
  * rows), written in g_dt with row stride gs; 0 on ignored rows. Reads x once and writes grad once. */
-static inline float exp_or_zero(float d) { return d < -87.3f ? 0.0f : exp_approx(d); }
+static inline float exp_or_zero(float d) {
+    /* exp(d), 0 below -87.3 (-inf too); a product rather than a select, so the loops vectorize on AVX2
+     * (NaN stays NaN: NaN * 0 is NaN) */
+    return exp_approx(d) * (float)((d >= -87.3f) | (d != d));
+}
+
+/* the block loops stand alone (inlined into the OpenMP region, gcc did not vectorize them) */
+static __attribute__((noinline)) float block_max(const float *restrict v, int64_t n, float m, int *nan) {
+    int bad = 0;
+#pragma omp simd reduction(max : m) reduction(| : bad)
+    for (int64_t j = 0; j < n; j++) {
+        m = v[j] > m ? v[j] : m;
+        bad |= v[j] != v[j];
+    }
+    *nan |= bad;
+    return m;
+}
+
+static __attribute__((noinline)) double block_sum_exp(const float *restrict v, int64_t n, float m) {
+    /* float lanes over pieces of 256 values (vectorizes; a double accumulator did not), the pieces added in
+     * double: each lane sums at most 32 terms */
+    double s = 0.0;
+    for (int64_t lo = 0; lo < n; lo += 256) {
+        int64_t hi = n - lo < 256 ? n : lo + 256;
+        float piece = 0.0f;
+#pragma omp simd reduction(+ : piece)
+        for (int64_t j = lo; j < hi; j++) piece += exp_or_zero(v[j] - m);
+        s += piece;
+    }
+    return s;
+}
+
+static __attribute__((noinline)) void block_softmax_grad(const float *restrict v, float *restrict o, int64_t n,
+                                                         float l, float s) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) o[j] = exp_or_zero(v[j] - l) * s;
+}
 
 int kiln_ce_forward(const void *x, int dt, int64_t xs, const int64_t *labels, int64_t ignore, float *loss,
                     float *lse, int64_t rows, int64_t cols, int threads) {
@@ -398,12 +436,7 @@ int kiln_ce_forward(const void *x, int dt, int64_t xs, const int64_t *labels, in
             int nan = 0;
             for (int64_t lo = 0; lo < cols; lo += BLOCK) {
                 int64_t n = cols - lo < BLOCK ? cols - lo : BLOCK;
-                const float *v = in_row(buf, elem(row, dt, lo), dt, n);
-#pragma omp simd reduction(max : m) reduction(| : nan)
-                for (int64_t j = 0; j < n; j++) {
-                    m = v[j] > m ? v[j] : m;
-                    nan |= v[j] != v[j];
-                }
+                m = block_max(in_row(buf, elem(row, dt, lo), dt, n), n, m, &nan);
             }
             if (nan || m == INFINITY || m == -INFINITY) {   /* as log_softmax: NaN (all -inf, +inf, NaN) */
                 loss[r] = lse[r] = NAN;
@@ -412,11 +445,7 @@ int kiln_ce_forward(const void *x, int dt, int64_t xs, const int64_t *labels, in
             double s = 0.0;
             for (int64_t lo = 0; lo < cols; lo += BLOCK) {
                 int64_t n = cols - lo < BLOCK ? cols - lo : BLOCK;
-                const float *v = in_row(buf, elem(row, dt, lo), dt, n);
-                double bs = 0.0;
-#pragma omp simd reduction(+ : bs)
-                for (int64_t j = 0; j < n; j++) bs += (double)exp_or_zero(v[j] - m);
-                s += bs;
+                s += block_sum_exp(in_row(buf, elem(row, dt, lo), dt, n), n, m);
             }
             double l = (double)m + log(s);
             float xy;
@@ -448,8 +477,7 @@ int kiln_ce_backward(const void *x, int dt, int64_t xs, const int64_t *labels, i
                     memset(o, 0, (size_t)n * sizeof(float));
                 } else {
                     const float *v = in_row(xb, elem(row, dt, lo), dt, n);
-#pragma omp simd
-                    for (int64_t j = 0; j < n; j++) o[j] = exp_or_zero(v[j] - l) * s;
+                    block_softmax_grad(v, o, n, l, s);
                     if (y >= lo && y < lo + n) o[y - lo] = (exp_or_zero(v[y - lo] - l) - 1.0f) * s;
                 }
                 out_done(elem_out(grow, g_dt, lo), g_dt, o, n);
