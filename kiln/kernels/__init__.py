@@ -24,7 +24,7 @@ from kiln.kernels import activations, cross_entropy, logit_loss, norms, rope as 
 from kiln.kernels.ctc import ctc_loss
 
 __all__ = ["rms_norm", "dropout_add_layer_norm", "linear_gelu", "swiglu", "swiglu_linear", "rope",
-           "linear_cross_entropy", "cross_entropy", "ctc_loss", "activation_kind", "linear_act", "linear_gelu_of", "act_mul", "GPU_IMPLS",
+           "linear_cross_entropy", "cross_entropy", "cross_entropy_of", "ctc_loss", "activation_kind", "linear_act", "linear_gelu_of", "act_mul", "GPU_IMPLS",
            "OPS"]
 
 _k = torch.ops.kiln
@@ -135,6 +135,20 @@ def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = -100, redu
             or labels.shape[0] != logits.shape[0]:
         return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
     return _k.softmax_cross_entropy(logits, labels, int(ignore_index), reduction)[0]
+
+
+def cross_entropy_of(loss: Callable[[Tensor, Tensor], Tensor], logits: Tensor, labels: Tensor) -> Tensor:
+    """`loss(logits, labels)`, as the `cross_entropy` kernel when `loss` is `F.cross_entropy` or a plain
+    `nn.CrossEntropyLoss` (no class weights, no label smoothing, no hooks: its `ignore_index` and `reduction`
+    are used); anything else (a subclass, another loss) is called as written. The check runs on every call.
+    `kiln adopt` writes this call for `loss_fct(logits, labels)` with `loss_fct = nn.CrossEntropyLoss(...)`."""
+    if loss is F.cross_entropy:
+        return cross_entropy(logits, labels)
+    if type(loss) is torch.nn.CrossEntropyLoss and loss.weight is None and loss.label_smoothing == 0.0 \
+            and not (loss._forward_hooks or loss._forward_pre_hooks or _module._global_forward_hooks
+                     or _module._global_forward_pre_hooks):
+        return cross_entropy(logits, labels, loss.ignore_index, loss.reduction)
+    return loss(logits, labels)
 
 
 # -- activations chosen at run time (config lookups such as transformers' ACT2FN[config.hidden_act]) --

@@ -156,3 +156,27 @@ def test_a_model_calling_it_trains_with_kiln_like_eager():
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
+def test_cross_entropy_of_takes_the_kernel_only_for_a_plain_loss():
+    """The run-time guard `kiln adopt` writes: a plain nn.CrossEntropyLoss (its ignore_index and reduction) or
+    F.cross_entropy runs the kernel (it keeps one number per row); class weights, label smoothing, a subclass
+    or a hook run the loss as written. Every case equals the loss itself."""
+    x, y = _case(n=32, c=200, ignore=(1,))
+    y[4] = 7
+    x.requires_grad_()
+
+    class Mine(nn.CrossEntropyLoss):
+        pass
+
+    hooked = nn.CrossEntropyLoss()
+    hooked.register_forward_hook(lambda *a: None)
+    for loss, fused in ((nn.CrossEntropyLoss(), True), (nn.CrossEntropyLoss(ignore_index=7, reduction="sum"), True),
+                        (F.cross_entropy, True), (nn.CrossEntropyLoss(weight=torch.rand(200)), False),
+                        (nn.CrossEntropyLoss(label_smoothing=0.1), False), (Mine(), False), (hooked, False)):
+        kept = refs.saved_bytes(lambda x, y: K.cross_entropy_of(loss, x, y), [x, y])
+        assert (kept == 32 * 4) == fused, (loss, kept)
+        got, gx = _loss_and_grad(lambda a, b, reduction: K.cross_entropy_of(loss, a, b), x, y, None)
+        want, wx = _loss_and_grad(lambda a, b, reduction: loss(a, b), x, y, None)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(gx, wx)
