@@ -142,9 +142,11 @@ def _on_score_path(e: Expr) -> bool:
     return False
 
 
-def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
+def take_apart(ctx: Context, tree: Expr, ranks: Ranks, fills=None):
     """(Parts, None) for attention that can be rewritten, (Parts or None, reason) for attention that
-    cannot, None for anything that is not hand-written attention."""
+    cannot, None for anything that is not hand-written attention.  `fills(e)` says which finite
+    fills a caller that builds the masks itself takes (attention_lift.py); the others stop here."""
+    ok = fills or (lambda e: False)
     if tree.op not in PRODUCTS or len(tree.args) != 2:
         return None
     probs, v = tree.args
@@ -179,7 +181,7 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
             upcast, logits = True, logits.args[0]
         elif logits.op in (".masked_fill", "torch.masked_fill") and len(logits.args) == 3:
             scores, cond, fill = logits.args
-            if not neg_inf(fill):
+            if not neg_inf(fill) and not ok(fill):
                 reason = reason or finite_fill(fill)
             parts.keep.append(_invert(cond))
             logits = scores
@@ -187,11 +189,11 @@ def take_apart(ctx: Context, tree: Expr, ranks: Ranks):
             cond, a, b = logits.args
             if _contains_product(a) and not _contains_product(b):
                 parts.keep.append(cond)
-                reason = reason or (None if neg_inf(b) else finite_fill(b))
+                reason = reason or (None if neg_inf(b) or ok(b) else finite_fill(b))
                 logits = a
             elif _contains_product(b) and not _contains_product(a):
                 parts.keep.append(_invert(cond))
-                reason = reason or (None if neg_inf(a) else finite_fill(a))
+                reason = reason or (None if neg_inf(a) or ok(a) else finite_fill(a))
                 logits = b
             else:
                 return None

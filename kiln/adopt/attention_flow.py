@@ -71,7 +71,8 @@ def sdpa_locations(ctx: Context) -> list[tuple[int, int, str]]:
         if not reasons or not reasons[0][2]:
             # only blockers an explicit path could keep: the split was tried, and says what stopped it
             why = next((r for line, r in sorted(ctx.split_reasons.items()) if node.line <= line <= end.line), why)
-        found.append((min(start.line, node.line), max(end.line, node.line), why))
+        lifted = [r for line, r in sorted(getattr(ctx, "lift_reasons", {}).items()) if node.line <= line <= end.line]
+        found.append((min(start.line, node.line), max(end.line, node.line), lifted[0] if lifted else why))
     return found
 
 
@@ -199,7 +200,7 @@ def _trace_step(ctx: Context, node: Node, blockers: list, seen: set, depth: int)
             fill = _fill(node, v)
             if fill is not None:
                 e = ctx.normalize(ctx.builder.operand(fill))
-                if not neg_inf(e):
+                if not neg_inf(e) and not min_fill(e, _a_dtype):     # finfo.min: attention_lift.py
                     blockers.append((node.line, finite_fill(e), True))
             return hit
     return None
@@ -363,6 +364,10 @@ def expr_text(e: Expr) -> str:
         return e.var.split(":")[0]
     if e.src is not None:
         return code_of(e.src)
+    if e.op == "." and len(e.args) == 1:             # `torch.finfo(x.dtype).min` folded from its parts
+        return f"{expr_text(e.args[0])}.{e.value}"
+    if e.op.startswith("torch.") and e.args and not e.kw:
+        return f"{e.op}({', '.join(expr_text(a) for a in e.args)})"
     if e.op == "leaf":
         return str(e.value[1]).split(":")[0]
     return e.op
@@ -377,6 +382,31 @@ def neg_inf(e: Expr) -> bool:
         inner = e.args[1]
         return inner.op == "float" and inner.args and inner.args[0].op == "const" and inner.args[0].value == "inf"
     return e.op == "float" and len(e.args) == 1 and e.args[0].op == "const" and e.args[0].value in ("-inf", "-Inf")
+
+
+def _a_dtype(e: Expr) -> bool:
+    return e.op == "." and e.value == "dtype"
+
+
+def min_fill(e: Expr, scores_dtype) -> bool:
+    """Is `e` the lowest finite value of the scores' dtype: `torch.finfo(D).min`, maybe held in a 0-d
+    tensor (`torch.full([], ..., dtype=D)`, `torch.tensor(...)`) moved to a device, with
+    `scores_dtype(D)` true?  In float32, w + finfo.min == finfo.min for every |w| < 2**103 (half a unit
+    in the last place of finfo.min), so such a fill is an additive mask (docs/adopt-dsl.md)."""
+    for _ in range(6):
+        kw = dict(e.kw)
+        if e.op == "to" and len(e.args) == 2 and not kw and e.args[1].op == "." and e.args[1].value == "device":
+            e = e.args[0]
+        elif e.op == "torch.full" and len(e.args) == 2 and e.args[0].op == "tuple" and not e.args[0].args \
+                and set(kw) <= {"dtype", "device"} and ("dtype" not in kw or scores_dtype(kw["dtype"])):
+            e = e.args[1]
+        elif e.op == "torch.tensor" and len(e.args) == 1 and set(kw) <= {"dtype", "device"} \
+                and ("dtype" not in kw or scores_dtype(kw["dtype"])):
+            e = e.args[0]
+        else:
+            break
+    return e.op == "." and e.value == "min" and len(e.args) == 1 and e.args[0].op == "torch.finfo" \
+        and len(e.args[0].args) == 1 and not e.args[0].kw and scores_dtype(e.args[0].args[0])
 
 
 def finite_fill(fill: Expr) -> str:

@@ -92,6 +92,12 @@ def explicit_splits(ctx: Context, spell) -> list[StatementRewrite]:
         if node.op in PRODUCTS and node.stmt is not None and len(node.args) == 2 and node.stmt.target \
                 and not kept_explicit(ctx.fn, node.stmt.line_node):
             plan = _split(ctx, node, spell)
+            if not isinstance(plan, StatementRewrite) and (plan is not None or not _tree_applies(ctx, node)):
+                from kiln.adopt.attention_lift import lift
+                lifted = lift(ctx, node, spell)
+                plan = lifted if lifted is not None else plan
+                if isinstance(lifted, str):     # it saw the whole attention: its reason comes first
+                    ctx.lift_reasons = {**getattr(ctx, "lift_reasons", {}), node.line: lifted}
             if isinstance(plan, str):       # why not: attention_flow reports it where nothing else blocks
                 ctx.split_reasons[node.line] = plan
             elif plan is not None and not any(p.first_line <= plan.last_line and plan.first_line <= p.last_line
@@ -215,6 +221,13 @@ def _split(ctx: Context, node, spell):
                             list(region[1:]), set(), drop=True, leading=list(region[0].leading_lines))
 
 
+def _tree_applies(ctx: Context, node) -> bool:
+    """Does the plain rewrite (attention.find_sdpa) rewrite this attention?"""
+    from kiln.adopt.attention import find_sdpa
+    found = find_sdpa(ctx, node, None, None)
+    return found is not None and found.replace is not None
+
+
 def _constant_else(if_cst, value: str) -> bool:
     """`if test: ... else: a = None` (the `else` only assigns constants, and not to `value`'s name)."""
     orelse = if_cst.orelse
@@ -316,7 +329,8 @@ def _plain(test, fn, inside: set, env: dict) -> bool:
     return True
 
 
-def _later_reads(fn, analysis, after: int, inside: set, output: str, env: dict, constants: set = frozenset()):
+def _later_reads(fn, analysis, after: int, inside: set, output: str, env: dict, constants: set = frozenset(),
+                 skip: frozenset = frozenset()):
     """(tests, names) when every read after line `after` of a value the run defines is the output, a
     constant an `else` taken assigns, or sits under a plain test (the branch that needs the explicit
     path); otherwise why not.  A value that later `if`s may carry on (`if not output_attentions:
@@ -328,7 +342,7 @@ def _later_reads(fn, analysis, after: int, inside: set, output: str, env: dict, 
 
     def visit(n, conds, parent=None):
         nonlocal ok
-        if ok is not True:
+        if ok is not True or id(n) in skip:      # `skip`: a `return` a new parameter takes care of
             return
         if isinstance(n, cst.Name) and analysis.positions[n].start.line > after:
             version = fn.name_version.get(id(n))

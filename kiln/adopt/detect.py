@@ -14,7 +14,7 @@ A reported location has `applied: false` and the reason the rewrite is not made.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 
@@ -303,6 +303,7 @@ class StatementRewrite:
     needs: set          # qualified names the new code spells (imports)
     drop: bool = False  # the deleted statements moved into the new code: drop them, comments and all
     leading: list | None = None   # comment lines to put before the new statement (a whole-statement rewrite)
+    nodes: dict = field(default_factory=dict)   # id(node) -> (node, new node): edits elsewhere (a signature, a call)
 
 
 def _plain_name(e) -> str | None:

@@ -115,6 +115,9 @@ def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename
                     new = new.with_changes(leading_lines=plan.leading)
                 edits.replace[id(original)] = new.body[0] if isinstance(original, cst.BaseSmallStatement) else new
                 edits.keep_alive.append(original)
+            for original, new in plan.nodes.values():      # a new parameter, the calls that pass it
+                edits.replace[id(original)] = new
+                edits.keep_alive.append(original)
             (edits.drop if plan.drop else edits.delete).update(id(s) for s in plan.delete)
             edits.keep_alive += plan.delete
             for original, _ in plan.replace.values():
