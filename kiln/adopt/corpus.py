@@ -27,7 +27,7 @@ from pathlib import Path
 from kiln.errors import KilnError
 
 RULE_ORDER = ["sdpa", "gelu_tanh", "gelu_erf", "silu", "rms_norm", "fused_qkv", "dropout_add_layernorm",
-              "linear_gelu", "swiglu", "rope", "linear_cross_entropy"]
+              "linear_gelu", "swiglu", "rope", "linear_cross_entropy", "cross_entropy"]
 
 
 class CorpusError(KilnError):

@@ -8,6 +8,7 @@
 | dropout_add_layernorm | `LayerNorm(Dropout(h) + residual)` | reported |
 | fused_qkv | three nn.Linear of equal in_features on one input | reported |
 | linear_cross_entropy | `logits = lm_head(h)`, then a cross-entropy of those logits | reported |
+| cross_entropy | `loss_fct(logits, labels)` with `loss_fct = nn.CrossEntropyLoss(...)`, `F.cross_entropy(...)` | `kiln.kernels.cross_entropy_of(loss_fct, logits, labels)` (checked at run time) / `kiln.kernels.cross_entropy(...)` |
 
 A reported location has `applied: false` and the reason the rewrite is not made.
 """
@@ -533,7 +534,54 @@ def _find_linear_cross_entropy(ctx: Context, node: Node, raw, tree):
     if _source_linear(ctx, node.args[0]) is None:
         return None
     return Found({}, None, "kiln.kernels.linear_cross_entropy (logits never materialized) is not applied: "
-                           "the logits are computed and returned by the surrounding code")
+                           "the logits are computed and returned by the surrounding code (the cross_entropy rule "
+                           "makes the loss on them one pass each way)")
+
+
+# -- cross_entropy -------------------------------------------------------------------------------
+
+_CE_KWARGS = ("ignore_index", "reduction")
+
+
+def _built_cross_entropy(ctx: Context, node: Node) -> bool:
+    """`node` calls an object built by CrossEntropyLoss(...): a local (`loss_fct = CrossEntropyLoss(); loss_fct(a,
+    b)`, however often it is called) or the constructor called at once (`CrossEntropyLoss()(a, b)`)."""
+    if node.op != "call" or not isinstance(node.module, Var):
+        return False
+    d = ctx.fn.defs.get(node.module.name)
+    return d is not None and d.op in CROSS_ENTROPY
+
+
+def _find_cross_entropy(ctx: Context, node: Node, raw, tree):
+    """A cross-entropy call -> kiln.kernels.cross_entropy_of(loss, logits, labels) for a CrossEntropyLoss
+    object (its configuration is checked at run time: class weights, label smoothing, a subclass or a hook
+    run the object as written), kiln.kernels.cross_entropy(...) for F.cross_entropy with at most
+    ignore_index / reduction."""
+    kw = dict(tree.kw) if tree.kw else {}
+    if tree.op == "torch.nn.functional.cross_entropy":
+        if len(tree.args) != 2 or not set(kw) <= set(_CE_KWARGS):
+            extra = sorted(set(kw) - set(_CE_KWARGS)) or ["positional arguments after the labels"]
+            return Found({}, None, f"F.cross_entropy with {', '.join(extra)} is kept (the kernel takes "
+                                   "ignore_index and reduction only)")
+        env = {"$x": tree.args[0], "$y": tree.args[1]}
+        named = []
+        for k in _CE_KWARGS:
+            if k not in kw:
+                continue
+            v = kw[k]
+            if k == "ignore_index" and v.op == "const" and float(v.value).is_integer():
+                named.append((k, Const(int(v.value))))       # constants are held as floats: -100, not -100.0
+            else:
+                env[f"${k}"] = v
+                named.append((k, Var(f"${k}")))
+        return Found(env, [Node("kiln.kernels.cross_entropy", (Var("$x"), Var("$y")), tuple(named))])
+    loss = kw.get("__module__")
+    if loss is None or not (tree.op in CROSS_ENTROPY or _built_cross_entropy(ctx, node)):
+        return None
+    if len(tree.args) != 2 or set(kw) != {"__module__"}:
+        return Found({}, None, "a CrossEntropyLoss called with other than (logits, labels) is kept")
+    env = {"$loss": loss, "$x": tree.args[0], "$y": tree.args[1]}
+    return Found(env, [Node("kiln.kernels.cross_entropy_of", (Var("$loss"), Var("$x"), Var("$y")))])
 
 
 DETECTIONS = [
@@ -547,4 +595,5 @@ DETECTIONS = [
                    _find_fused_qkv, overlaps=True),
     StructuralRule("linear_cross_entropy", PYTHON_RULES["linear_cross_entropy"],
                    _find_linear_cross_entropy, overlaps=True),
+    StructuralRule("cross_entropy", PYTHON_RULES["cross_entropy"], _find_cross_entropy),
 ]

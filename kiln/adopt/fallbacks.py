@@ -29,6 +29,9 @@ EAGER = {
                        "return torch.nn.functional.gelu(linear(x), approximate=approximate)"),
     "act_mul": ("act, gate, up", "return act(gate) * up"),
     "cross_entropy_of": ("loss, logits, labels", "return loss(logits, labels)"),
+    "cross_entropy": ('logits, labels, ignore_index=-100, reduction="mean"',
+                      "return torch.nn.functional.cross_entropy(logits, labels, ignore_index=ignore_index, "
+                      "reduction=reduction)"),
     "swiglu": ("gate, up", "return torch.nn.functional.silu(gate) * up"),
     "rope": ("q, k, cos, sin", "def rotate(x):  # (-x2, x1), the rotate_half these calls replaced\n"
                                "    half = x.shape[-1] // 2\n"

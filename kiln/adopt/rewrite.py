@@ -162,6 +162,13 @@ def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename
                 except Refusal as exc:
                     m.reason = str(exc)
             found.append(m)
+            # report-only rules that overlap (linear_cross_entropy) report this node too, beside a rewrite of it
+            for other in structural:
+                if other.overlaps and other is not rule:
+                    extra = other.find(ctx, node, builder.node(node), tree)
+                    if extra is not None and extra.replace is None:
+                        found.append(Match(other.name, fn.cls, fn.name, first, last, False, extra.reason,
+                                           file=filename))
     for rule in structural:          # locations found by data flow, where no tree match covers them
         for first, last, reason in rule.locate(ctx) if rule.locate is not None else ():
             if not any(m.rule == rule.name and m.first_line <= last and first <= m.last_line for m in found):

@@ -28,6 +28,8 @@ PYTHON_RULES = {
     "dropout_add_layernorm": "LayerNorm(Dropout(h) + residual) (report only)",
     "fused_qkv": "three nn.Linear of one input and equal in_features (report only)",
     "linear_cross_entropy": "cross-entropy of lm_head(h) logits (report only)",
+    "cross_entropy": "CrossEntropyLoss()(logits, labels), F.cross_entropy -> kiln.kernels.cross_entropy_of / "
+                     "cross_entropy: one pass over the logits each way",
 }
 
 

@@ -106,7 +106,7 @@ def test_show_dsl(good, capsys):
 def test_list_rules(capsys):
     assert main(["adopt", "--list-rules"]) == 0
     names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert names == ["dropout_add_layernorm", "fused_qkv", "gelu_erf", "gelu_tanh", "linear_cross_entropy",
+    assert names == ["cross_entropy", "dropout_add_layernorm", "fused_qkv", "gelu_erf", "gelu_tanh", "linear_cross_entropy",
                      "linear_gelu", "rms_norm", "rope", "sdpa", "silu", "swiglu"]
 
 

@@ -108,7 +108,7 @@ def test_rule_meaning_errors(text, message):
 
 
 def test_builtin_rules_load():
-    assert builtin_names() == ["dropout_add_layernorm", "fused_qkv", "gelu_erf", "gelu_tanh", "linear_cross_entropy",
+    assert builtin_names() == ["cross_entropy", "dropout_add_layernorm", "fused_qkv", "gelu_erf", "gelu_tanh", "linear_cross_entropy",
                                "linear_gelu", "rms_norm", "rope", "sdpa", "silu", "swiglu"]
     assert all(r.doc for r in load_builtin())
     with pytest.raises(DSLError, match="unknown rule 'geglu'"):

@@ -112,6 +112,7 @@ def test_fallbacks_compute_what_the_kernels_compute(no_kiln):
         "act_mul": ((torch.nn.SiLU(), gate, up), kernels.act_mul),
         "cross_entropy_of": ((torch.nn.CrossEntropyLoss(ignore_index=3), x.reshape(10, 8),
                               torch.tensor([1, 3, 0, 7, 3, 2, 5, 6, 4, 3])), kernels.cross_entropy_of),
+        "cross_entropy": ((x.reshape(10, 8), torch.tensor([1, -100, 0, 7, 3, 2, 5, 6, 4, 3])), kernels.cross_entropy),
         "swiglu": ((gate, up), kernels.swiglu),
         "rope": ((q, k, cos, sin), kernels.rope),
     }
