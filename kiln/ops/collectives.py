@@ -99,7 +99,14 @@ REDUCE_WAIT = _op(reduce_wait, "waits for a bucket's collective: the averaged gr
 
 # ---- ZeRO: this rank's shard of the parameters, updated out of place and all-gathered ----------
 def shard_params(bucket, params):
-    """This rank's slice of the bucket's parameters, flat (a copy: the update runs out of place)."""
+    """This rank's slice of the bucket's parameters, flat: a view when it lies within one contiguous parameter
+    (a large parameter's own bucket: nothing reads it but the out-of-place update, and the parameter is
+    written only at the commit), else a copy."""
+    pieces = bucket.pieces()
+    if len(pieces) == 1:
+        i, a, b, _ = pieces[0]
+        if b - a == bucket.shard_size and params[i].is_contiguous():
+            return (params[i].detach().view(-1)[a:b],)
     out = torch.empty(bucket.shard_size, dtype=bucket.dtype, device=bucket.device)
     covered = 0
     for i, a, b, at in bucket.pieces():

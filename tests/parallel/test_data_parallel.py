@@ -146,3 +146,22 @@ def test_bad_arguments(kwargs, match):
         kiln.DataParallel(**kwargs)
     with pytest.raises(kiln.KilnError, match="parallel= takes"):
         kiln.compile(TinyLM(), optimizer=kiln.optim.AdamW(), parallel=object())
+
+
+def test_a_shard_within_one_parameter_is_a_view_else_a_copy():
+    """ZeRO's shard of a large parameter's own bucket is a view of the parameter (no copy); a shard spanning
+    parameters, or with the last rank's padding, is a flat copy with zeros in the padding."""
+    from kiln.distributed.layout import plan_buckets
+    from kiln.ops.collectives import shard_params
+    cpu = torch.device("cpu")
+    big, a, b = torch.randn(64, 32), torch.randn(5), torch.randn(6)
+    grads = [("big", (64, 32), torch.float32, cpu), ("a", (5,), torch.float32, cpu), ("b", (6,), torch.float32, cpu)]
+    for rank in (0, 1):
+        own, pair = plan_buckets(grads, 0.001, 2, rank)
+        (view,) = shard_params(own, [big])
+        assert view.data_ptr() == big.view(-1)[rank * 1024].data_ptr()           # no copy
+        torch.testing.assert_close(view, big.view(-1)[rank * 1024:(rank + 1) * 1024])
+        (copy,) = shard_params(pair, [a, b])
+        flat = torch.cat([a, b, torch.zeros(1)])                                  # 11 values, padded to 12
+        assert copy.untyped_storage().data_ptr() not in (a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr())
+        torch.testing.assert_close(copy, flat[rank * 6:(rank + 1) * 6])
