@@ -91,7 +91,38 @@ def make_case(name: str, dtype: torch.dtype, small: bool):
     if name == "linear_cross_entropy":
         tokens, vocab = (256, 8000) if small else (2048, 32000)
         return lce_case(tokens, 256, vocab, dtype)
+    if name == "cross_entropy":            # on logits a model computed (and returns): no matmul in either
+        tokens, vocab = (512, 32000) if small else (2048, 32000)
+        labels = torch.randint(0, vocab, (tokens,))
+        labels[::10] = -100
+        ins = [_rand(tokens, vocab, scale=3.0, dtype=dtype), labels]
+        return f"logits ({tokens}, {vocab})", ins, K.cross_entropy, F.cross_entropy
+    if name == "linear_act":              # transformers' NewGELUActivation (the tanh formula in eight ops)
+        fc = torch.nn.Linear(512, 2048).to(dtype)
+        ins = [_rand(m, 512, **d), fc.weight, fc.bias]
+        return (f"x ({m}, 512), W (2048, 512), gelu_new", ins,
+                lambda x, w, b: K.linear_act(x, _Linear(w, b), _NewGELU()),
+                lambda x, w, b: _NewGELU()(F.linear(x, w, b)))
     raise KeyError(name)
+
+
+class _NewGELU(torch.nn.Module):
+    """transformers' NewGELUActivation as written there (recognized by linear_act by class and module)."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+_NewGELU.__name__ = "NewGELUActivation"
+_NewGELU.__module__ = "transformers.activations"
+
+
+class _Linear(torch.nn.Linear):
+    """An nn.Linear over given weight and bias (no copy), so the timed call sees the benchmark's inputs."""
+
+    def __init__(self, weight, bias):
+        torch.nn.Module.__init__(self)
+        self.weight, self.bias = weight, bias
 
 
 def _dal_ref(x, r, w, b):
@@ -108,7 +139,7 @@ def lce_case(tokens: int, hidden: int, vocab: int, dtype: torch.dtype):
 
 
 KERNELS = ["rms_norm", "add_rms_norm", "dropout_add_layer_norm", "swiglu", "swiglu_linear", "linear_gelu",
-           "rope", "linear_cross_entropy"]
+           "linear_act", "rope", "linear_cross_entropy", "cross_entropy"]
 
 
 # ---- running and measuring --------------------------------------------------------------------
