@@ -42,8 +42,9 @@ class DataParallel:
             after compiling, and a compile with measured kernels can take minutes).
         overlap: True (default): each bucket's collective starts as soon as its gradients exist; with ZeRO,
             each bucket's update and all-gather also run during the backward, right after the next
-            bucket's collective is issued (not with clipping or fp16, which need every gradient first),
-            which holds each updated bucket's gathered parameters from then to the step's end.
+            bucket's collective is issued (not with clipping or fp16, which need every gradient first, nor
+            under a memory budget), which holds each updated bucket's gathered parameters from then to the
+            step's end.
             "gradients": only the gradient collectives overlap the backward; ZeRO's updates and
             all-gathers follow it. False: every collective starts at the end of the backward (to measure
             what overlap hides).

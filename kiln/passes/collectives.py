@@ -166,16 +166,18 @@ def gather_params(ctx) -> int:
     """ZeRO: all-gather each bucket's updated shard (started right after its update), then stage the
     parameters' writes (at the end: the step commits them with everything else).
 
-    With `overlap=True`, a bucket's wait, update and all-gather move into the backward, right after the
-    next bucket's collective is issued (`_update_early`), so the all-gathers overlap the rest of the
-    backward instead of starting after it."""
+    With `overlap=True` and no memory budget, a bucket's wait, update and all-gather move into the backward,
+    right after the next bucket's collective is issued (`_update_early`), so the all-gathers overlap the rest
+    of the backward instead of starting after it."""
     plan = ctx.collectives
     if plan is None or not plan.sharded:
         return 0
     g = ctx.graph
     params = {v.source: v for v in g.inputs_with(Role.PARAM)}
     ups = [u for u in ctx.updates if u.out_of_place]
-    early = _update_early(g, plan, ups) if ctx.parallel.overlap is True else {}
+    # not under a memory budget: a gathered bucket would then be held through the backward's peak, and the
+    # memory model does not see the collectives' buffers
+    early = _update_early(g, plan, ups) if ctx.parallel.overlap is True and ctx.memory_budget is None else {}
     plan.early = sorted(early)
     pos = {n.uid: i for i, n in enumerate(g.nodes)}
     ins = _Inserts(g)

@@ -100,11 +100,12 @@ def same_on_all_ranks(m: nn.Module) -> bool:
 
 # ---- parity with DDP / ZeroRedundancyOptimizer ---------------------------------------------------
 def parity(zero: int, amp: str | None, world: int, rank: int, steps: int = 5, bucket_mb: float = 0.004,
-           clip: float | None = None, keep: dict | None = None, overlap=True) -> dict:
+           clip: float | None = None, keep: dict | None = None, overlap=True, budget=None) -> dict:
     """5 steps of Kiln and of the reference from the same weights; `keep` gets the step (to reuse it)."""
     mine, ref = model(), model(bf16=amp == "bf16")
     step = kiln.compile(mine, optimizer=kiln.optim.AdamW(lr=LR, weight_decay=WD, max_grad_norm=clip), amp=amp,
-                        parallel=kiln.DataParallel(zero=zero, bucket_mb=bucket_mb, overlap=overlap), verify=True)
+                        parallel=kiln.DataParallel(zero=zero, bucket_mb=bucket_mb, overlap=overlap), verify=True,
+                        memory_budget=budget)
     ddp = DDP(ref)
     if zero == 1:
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WD)
@@ -131,7 +132,8 @@ def parity(zero: int, amp: str | None, world: int, rank: int, steps: int = 5, bu
     kinds = ["gather" if "all-gather of" in line else "grad" for line in text.getvalue().splitlines()
              if "all-gather of" in line or "reduce-scatter of" in line or "all-reduce of gradients" in line]
     in_backward = "gather" in kinds and kinds.index("gather") < len(kinds) - 1 - kinds[::-1].index("grad")
-    return {"zero": zero, "amp": amp, "clip": clip, "overlap": overlap, "gathers_in_backward": in_backward,
+    return {"zero": zero, "amp": amp, "clip": clip, "overlap": overlap, "budget": budget,
+            "gathers_in_backward": in_backward,
             "rel": rel_diff(mine, ref), "losses": losses, "norms": norms,
             "same": same_on_all_ranks(mine), "state_bytes": stats["state_bytes"],
             "peak_grad_bytes": stats["peak_grad_bytes"], "explain": text.getvalue() if rank == 0 else "",
@@ -175,6 +177,7 @@ def scenario_parity(out: Path, world: int, rank: int, which: str = "default", ke
     if which == "default":
         results.append(parity(1, "bf16", world, rank))
         results.append(parity(1, None, world, rank, overlap="gradients"))       # updates after the backward
+        results.append(parity(1, None, world, rank, budget="64GiB"))            # so under a budget too
     if which != "fp32":
         results.append(parity(2, None, world, rank, clip=0.05))                 # clipping over shards
     if which == "all":
