@@ -99,7 +99,9 @@ def _rewrite_function(fn: Function, compiled, analysis, imports, edits, filename
     builder = TreeBuilder(fn.nodes, inline=fn.inlinable)
     memo: dict = {}
     dsl_rules = [r for r in compiled if not isinstance(r, StructuralRule)]
-    structural = [r for r in compiled if isinstance(r, StructuralRule)]
+    # rules that may rewrite first: a report-only rule that overlaps (linear_cross_entropy) must not take a node
+    # a rewriting rule (cross_entropy) would rewrite, whatever order the rules were given in; it reports beside
+    structural = sorted((r for r in compiled if isinstance(r, StructuralRule)), key=lambda r: r.overlaps)
     ctx = Context(fn, builder, lambda e: normalize(e, memo), analysis.functions, configs)
     ctx.analysis, ctx.imports = analysis, imports      # for rules that print source (attention_split)
     consumed: set[int] = set()          # id(cst) of expressions already folded into a match

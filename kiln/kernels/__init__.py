@@ -145,8 +145,7 @@ def cross_entropy_of(loss: Callable[[Tensor, Tensor], Tensor], logits: Tensor, l
     if loss is F.cross_entropy:
         return cross_entropy(logits, labels)
     if type(loss) is torch.nn.CrossEntropyLoss and loss.weight is None and loss.label_smoothing == 0.0 \
-            and not (loss._forward_hooks or loss._forward_pre_hooks or _module._global_forward_hooks
-                     or _module._global_forward_pre_hooks):
+            and not _observed(loss):
         return cross_entropy(logits, labels, loss.ignore_index, loss.reduction)
     return loss(logits, labels)
 
@@ -217,14 +216,19 @@ def linear_gelu_of(x: Tensor, linear: torch.nn.Module, approximate: str = "none"
 def _plain_linear_weight(m) -> Optional[Tensor]:
     """The (out, in) weight of a layer whose forward is exactly `F.linear(x, weight, bias)` and that
     nothing observes (no forward hooks, its own or global), else None: the caller runs the module."""
-    if m._forward_hooks or m._forward_pre_hooks or _module._global_forward_hooks \
-            or _module._global_forward_pre_hooks:
+    if _observed(m):
         return None
     if type(m) is torch.nn.Linear:
         return m.weight
     if _is_hf_conv1d(m):                # y = x @ weight + bias, weight stored (in, out)
         return m.weight.t()
     return None
+
+
+def _observed(m: torch.nn.Module) -> bool:
+    """Whether a forward hook (the module's own or a global one) would see a call of `m`."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks)
 
 
 def _is_hf_conv1d(m) -> bool:

@@ -109,7 +109,7 @@ def shard_params(bucket, params):
             return (params[i].detach().view(-1)[a:b],)
     out = torch.empty(bucket.shard_size, dtype=bucket.dtype, device=bucket.device)
     covered = 0
-    for i, a, b, at in bucket.pieces():
+    for i, a, b, at in pieces:
         out[at:at + b - a].copy_(params[i].reshape(-1)[a:b])
         covered = at + b - a
     out[covered:].zero_()                   # the padding of the last shard

@@ -215,7 +215,8 @@ def vjp_cross_entropy(b, n, g, _g_lse=None):
 
 # fp32 under amp, as autocast runs F.cross_entropy (the kernel would read bf16 logits as they are, but the
 # loss would then be rounded to bf16)
-defop(kiln_ops.softmax_cross_entropy.default, vjp_cross_entropy, Kind.LOSS, F32)
+defop(kiln_ops.softmax_cross_entropy.default, vjp_cross_entropy, Kind.LOSS, F32,
+      cost=lambda n: _numel(n.args[0]))       # one read of the logits (its outputs are a scalar and a row vector)
 _backward_op(kiln_ops.softmax_cross_entropy_backward.default, Kind.LOSS, F32)
 
 

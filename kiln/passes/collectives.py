@@ -51,7 +51,6 @@ class Plan:
     layout: tuple[Bucket, ...]
     loss: Value                   # the loss averaged over the ranks: what the non-finite guard checks
     last: Value                   # the latest collective's handle: the next one is issued after it
-    early: list = dataclasses.field(default_factory=list)   # ZeRO buckets updated during the backward
 
     @property
     def sharded(self) -> bool:
@@ -178,7 +177,6 @@ def gather_params(ctx) -> int:
     # not under a memory budget: a gathered bucket would then be held through the backward's peak, and the
     # memory model does not see the collectives' buffers
     early = _update_early(g, plan, ups) if ctx.parallel.overlap is True and ctx.memory_budget is None else {}
-    plan.early = sorted(early)
     pos = {n.uid: i for i, n in enumerate(g.nodes)}
     ins = _Inserts(g)
     handles = []
@@ -207,9 +205,11 @@ def _update_early(g: Graph, plan: Plan, ups: list) -> dict[int, Node]:
     only stage their writes, so a guard that raises or skips drops them with the rest of the step."""
     starts = {n.args[1].index: n for n in g.nodes if n.op is C.REDUCE_START}
     moved: dict[int, Node] = {}
+    taken: set[int] = set()        # moved for an earlier bucket (a node two updates share): already in place
     for bucket, u in zip(plan.layout[:-1], ups):
         anchor = starts.get(bucket.index + 1)
         nodes = _optimizer_slice(u.new) if anchor is not None and u.new is not None else None
+        nodes = [n for n in nodes or () if n.uid not in taken]
         if not nodes:
             continue
         pos = {n.uid: i for i, n in enumerate(g.nodes)}
@@ -221,6 +221,7 @@ def _update_early(g: Graph, plan: Plan, ups: list) -> dict[int, Node]:
         at = rest.index(anchor) + 1
         g.nodes = rest[:at] + sorted(nodes, key=lambda n: pos[n.uid]) + rest[at:]
         moved[bucket.index] = max(nodes, key=lambda n: pos[n.uid])
+        taken |= mine
     return moved
 
 

@@ -40,8 +40,8 @@ class LM(nn.Module):
 '''
 
 
-def _rewritten():
-    src, new, matches = rewrite(SRC)
+def _rewritten(rules=None):
+    src, new, matches = rewrite(SRC, rules=rules)
     return src, new, [(m.rule, m.first_line, m.applied) for m in matches if "cross_entropy" in m.rule]
 
 
@@ -90,3 +90,11 @@ def test_what_the_kernel_does_not_take_is_kept_with_its_reason():
     assert "F.cross_entropy(scores, classes, weight=torch.ones(3))" in new
     assert any("weight is kept" in r for r in refused.values()), refused
     assert any("other than (logits, labels)" in r for r in refused.values()), refused
+
+
+def test_the_rewrite_does_not_depend_on_the_order_rules_are_given_in():
+    """The report-only linear_cross_entropy, given first, still leaves the node to the rule that rewrites it."""
+    for rules in (["linear_cross_entropy", "cross_entropy"], ["cross_entropy", "linear_cross_entropy"]):
+        _, new, got = _rewritten(rules)
+        assert new == _rewritten()[1], rules
+        assert sum(applied for rule, _, applied in got if rule == "cross_entropy") == 5, rules
