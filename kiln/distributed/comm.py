@@ -15,6 +15,7 @@ with collectives still in flight leaves this rank out of step with the others: t
 from __future__ import annotations
 
 import datetime
+import queue
 import threading
 import time
 from typing import Any
@@ -34,16 +35,17 @@ class Pending:
 
     `drop` says when the gradient buffer it reads is let go (and no longer counted as held gradient
     bytes): "done" as soon as the collective has completed (ZeRO-2), "wait" when it is waited for
-    (ZeRO-1); None: it is the result, or not a gradient buffer. `shard` (lo, hi): the result is that
-    slice of the reduced buffer, copied into `out` (a reduce-scatter done as an all-reduce, see `Comm`)."""
+    (ZeRO-1); None: it is the result, or not a gradient buffer. `finish`: what makes `out` the result once
+    the transfer is done, before the buffer goes (a reduce-scatter on gloo sums the slices it received, see
+    `Comm.issue`)."""
 
     __slots__ = ("comm", "what", "work", "buffer", "out", "issued", "done", "event", "info", "drop", "error",
-                 "shard")
+                 "finish")
 
     def __init__(self, comm: "Comm", what: str, work, buffer, out, info=None, drop: str | None = None,
-                 shard: tuple[int, int] | None = None):
+                 finish=None):
         self.comm, self.what, self.work, self.buffer, self.out = comm, what, work, buffer, out
-        self.info, self.drop, self.shard = info, drop, shard
+        self.info, self.drop, self.finish = info, drop, finish
         self.issued, self.done, self.error = time.perf_counter(), None, None
         self.event = None                     # NCCL: the stream semantics of work.wait() are what is wanted
         if buffer.device.type == "cpu":       # gloo: completion is observed (timing; ZeRO-2 frees on it)
@@ -67,8 +69,9 @@ class Pending:
     def _let_go(self) -> None:
         if self.buffer is None:
             return
-        if self.shard is not None:
-            self.out.copy_(self.buffer[self.shard[0]:self.shard[1]])
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
         self.comm.held(-self.buffer.nbytes)
         self.buffer = None                    # the work holds its inputs too: both go, the result stays
         self.work = None
@@ -117,6 +120,8 @@ class Comm:
         self.peak_grad_bytes = 0
         self.last: dict[str, float] = {}
         self._count = threading.Lock()
+        self.tag = 0                         # numbers the point-to-point exchanges (every rank alike)
+        self._wait_thread: _Waiter | None = None
 
     # ---- the step's collectives -----------------------------------------------------------
     def begin(self) -> int:
@@ -148,17 +153,19 @@ class Comm:
         """Start `kind` ("all_reduce", "reduce_scatter", "all_gather") of `buffer` into `out` asynchronously;
         `info` travels with the handle (the bucket); `drop`: see `Pending`.
 
-        On gloo a reduce-scatter runs as an all-reduce of which this rank keeps its slice: gloo's
-        reduce-scatter took 1.2-2.2x the all-reduce's time on 25 MiB here (2 ranks, docs/distributed.md) and
-        gives no completion future (ZeRO-2 frees a bucket on completion). An all-gather on gloo is one
-        broadcast per rank from the owner of each slice: 31-35 ms on 81 MiB against 101 ms for gloo's
-        all-gather on 2 ranks, 71 against 160 ms on 4 (docs/distributed.md)."""
-        shard = None
+        On gloo a reduce-scatter is an exchange of slices between every pair of ranks (`_exchange`): each
+        rank sends every other rank that rank's slice and sums what it receives into its own, so it moves
+        (N-1)/N of the buffer. gloo's own reduce-scatter took 1.2-2.2x an all-reduce's time here, and an
+        all-reduce moves the whole buffer twice: 25-40 MiB on 2 ranks, exchange 18.5 ms against all-reduce
+        33 ms and gloo's reduce-scatter 54 ms (docs/distributed.md). An all-gather on gloo is one broadcast
+        per rank from the owner of each slice: 31-35 ms on 81 MiB against 101 ms for gloo's all-gather on 2
+        ranks, 71 against 160 ms on 4."""
+        finish = None
         try:
-            if kind == "all_reduce" or (kind == "reduce_scatter" and self.gloo):
-                if kind == "reduce_scatter":
-                    shard = (self.rank * out.numel(), (self.rank + 1) * out.numel())
+            if kind == "all_reduce":
                 work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            elif kind == "reduce_scatter" and self.gloo:
+                work, finish = self._exchange(out, buffer)
             elif kind == "reduce_scatter":
                 work = _reduce_scatter(out, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             elif self.gloo:
@@ -167,9 +174,41 @@ class Comm:
                 work = _all_gather(out, buffer, group=self.group, async_op=True)
         except Exception as e:  # noqa: BLE001
             self.fail(what, e)
-        p = Pending(self, what, work, buffer, out, info, drop, shard)
+        p = Pending(self, what, work, buffer, out, info, drop, finish)
         self.in_flight[id(p)] = p
         return p
+
+    def _exchange(self, out, buffer):
+        """Reduce-scatter as point-to-point transfers: rank o's slice of `buffer` goes to rank o, and this
+        rank's slice from every other rank arrives (into `out` from the first, a temporary from the rest).
+        Every rank issues its exchanges in the same order, numbered by `tag`, so transfers pair up even with
+        several buckets in flight. Returns the works (one completion, observed by `_waiter`) and the sum."""
+        n, me = out.numel(), self.rank
+        self.tag = (self.tag + 1) % (1 << 20)
+        peers = [o for o in range(self.world) if o != me]
+        extra = None
+        if len(peers) > 1:
+            extra = torch.empty((len(peers) - 1) * n, dtype=out.dtype, device=out.device)
+            self.held(extra.nbytes)
+        into = [out] + [extra[i * n:(i + 1) * n] for i in range(len(peers) - 1)]
+        works = []
+        for o, dst in zip(peers, into):
+            g = self._global(o)
+            works.append(dist.isend(buffer[o * n:(o + 1) * n], dst=g, group=self.group, tag=self.tag))
+            works.append(dist.irecv(dst, src=g, group=self.group, tag=self.tag))
+        mine = buffer[me * n:(me + 1) * n]
+
+        def finish():
+            out.add_(mine)
+            if extra is not None:
+                out.add_(extra.view(len(peers) - 1, n).sum(0))
+                self.held(-extra.nbytes)
+        return _Works(works, waiter=self._waiter()), finish
+
+    def _waiter(self) -> "_Waiter":
+        if self._wait_thread is None:
+            self._wait_thread = _Waiter()
+        return self._wait_thread
 
     def _broadcast_gather(self, out, shard) -> "_Works":
         """All-gather as every rank's broadcast of its own slice of `out` (issued in rank order on every rank,
@@ -249,12 +288,16 @@ class Comm:
 
 
 class _Works:
-    """Several works in flight as one: done when all are (the all-gather made of broadcasts)."""
+    """Several works in flight as one: done when all are (the all-gather made of broadcasts, the exchange of
+    a reduce-scatter). Point-to-point works give no future on gloo: `waiter` then observes their completion
+    on a thread of its own."""
 
-    def __init__(self, works: list):
-        self.works = works
+    def __init__(self, works: list, waiter: "_Waiter | None" = None):
+        self.works, self.waiter = works, waiter
 
     def get_future(self) -> torch.futures.Future:
+        if self.waiter is not None:
+            return self.waiter.watch(self.works)
         return torch.futures.collect_all([w.get_future() for w in self.works]).then(
             lambda all_done: [f.value() for f in all_done.value()])      # the first failure is this one's
 
@@ -262,6 +305,32 @@ class _Works:
         for w in self.works:
             w.wait(timeout) if timeout is not None else w.wait()
         return True
+
+
+class _Waiter:
+    """A daemon thread that waits for works without futures, in the order given, and completes a future for
+    each group of them (the step's thread waits on that future with the step's timeout, so a transfer that
+    never completes still ends in a clear error)."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="kiln-comm-waiter", daemon=True).start()
+
+    def watch(self, works: list) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self.queue.put((works, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            works, fut = self.queue.get()
+            try:
+                for w in works:
+                    w.wait()
+            except Exception as e:  # noqa: BLE001 - handed to the step's thread through the future
+                fut.set_exception(e)
+                continue
+            fut.set_result(None)
 
 
 _CHECKS: dict = {}      # (process group, timeout) -> Kiln's gloo group for its checks over those ranks

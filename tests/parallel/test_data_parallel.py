@@ -151,6 +151,15 @@ def test_bad_arguments(kwargs, match):
         kiln.compile(TinyLM(), optimizer=kiln.optim.AdamW(), parallel=object())
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_and_all_gather_on_gloo_are_exact(tmp_path, world):
+    """The communicator's reduce-scatter (on gloo: point-to-point exchanges, several in flight at once) and
+    all-gather (broadcasts) against sums computed on every rank; the gradient bytes held go back to zero."""
+    for r in launch.run(world, "collectives", tmp_path, timeout=90):
+        assert all(r["scatter_equal"]) and all(r["gather_equal"]), r
+        assert r["in_flight"] == 0 and r["held_after"] == 0, r
+
+
 def test_a_shard_within_one_parameter_is_a_view_else_a_copy():
     """ZeRO's shard of a large parameter's own bucket is a view of the parameter (no copy); a shard spanning
     parameters, or with the last rank's padding, is a flat copy with zeros in the padding."""
