@@ -72,6 +72,7 @@ def not_finite(what: str, loss: torch.Tensor, mode: str, where: str = "") -> Non
 
 CHECK_FINITE = register(OpDef("kiln.check_finite", (check_finite,), None, Kind.OPTIMIZER, Cast.FP32,
                               differentiable=False, side_effects=True, infer=lambda args, kwargs: [],
+                              reads_narrow=True,     # a bf16 gradient is finite exactly when its fp32 copy is
                               cost=lambda n: float(sum(hint(g.meta.numel) for g in n.args[1])),
                               doc="raises (or skips the step) when the loss or a gradient is not finite"))
 

@@ -87,9 +87,41 @@ def adamw_update_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, b
         return
     new_steps = torch._foreach_add(steps, 1)
     grads = [same_layout(g, p) for g, p in zip(grads, params)]
+    if any(g.dtype != p.dtype for g, p in zip(grads, params)):
+        # narrow gradients (amp: a bf16 weight copy's gradient, whose widening cast fold_casts dropped): read
+        # as they are by the native loops, else widened here (the fused kernel takes one dtype)
+        if decoupled and _adamw_native_in_place(params, grads, exp_avgs, exp_avg_sqs, new_steps, lr, beta1, beta2,
+                                                eps, weight_decay):
+            stage(torch._foreach_copy_, steps, new_steps)
+            return
+        grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
     stage_first(_fused_adam(decoupled), params, grads, exp_avgs, exp_avg_sqs, [], new_steps, lr=lr, beta1=beta1,
                 beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     stage(torch._foreach_copy_, steps, new_steps)
+
+
+def _adamw_native_in_place(params, grads, exp_avgs, exp_avg_sqs, new_steps, lr, beta1, beta2, eps,
+                           weight_decay) -> bool:
+    """Stage the AdamW step of every parameter by native.c's kiln_adamw_step (fp32 parameters and moments,
+    fp32 or bf16 gradients read as they are; the parameter bit for bit `_fused_adamw_`'s on the widened
+    gradient); False where the loops do not apply (nothing staged)."""
+    lib = native.usable(*params, *grads, *exp_avgs, *exp_avg_sqs)
+    if lib is None or any(t.dtype != torch.float32 or not t.is_contiguous()
+                          for t in (*params, *exp_avgs, *exp_avg_sqs)):
+        return False
+    if any(not g.is_contiguous() or g.numel() != p.numel() for g, p in zip(grads, params)):
+        return False
+    lr, beta1, beta2, eps, wd = (float(x) for x in (lr, beta1, beta2, eps, weight_decay))
+    ts = [float(t) for t in new_steps]
+    threads = native.threads()
+
+    def update():                                   # at the commit, before any copy (it can refuse)
+        for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, ts):
+            native.check(lib.kiln_adamw_step(p.data_ptr(), g.data_ptr(), native.code(g), m.data_ptr(), v.data_ptr(),
+                                              p.numel(), lr, beta1, beta2, eps, wd, 1 - beta1 ** t,
+                                              math.sqrt(1 - beta2 ** t), threads), "adamw")
+    stage_first(update)
+    return True
 
 
 def _sgd(param, grad, momentum_buffer, step, lr, momentum, dampening, nesterov, weight_decay):
@@ -202,7 +234,7 @@ ADAMW = register(OpDef("kiln.adamw_update", (adamw_update,), None, Kind.OPTIMIZE
                        cost=lambda n: 10.0 * hint(n.args[0].meta.numel),
                        doc="in-place AdamW (or Adam) step of one parameter and its state"))
 ADAMW_MULTI = register(OpDef("kiln.adamw_update_multi", (adamw_update_multi,), None, Kind.OPTIMIZER, Cast.FP32,
-                             differentiable=False, side_effects=True, infer=_no_outputs,
+                             differentiable=False, side_effects=True, infer=_no_outputs, reads_narrow=True,
                              cost=lambda n: 10.0 * sum(hint(p.meta.numel) for p in n.args[0]),
                              doc="in-place AdamW step of a list of parameters (one multi-tensor kernel)"))
 SGD_OP = register(OpDef("kiln.sgd_update", (sgd_update,), None, Kind.OPTIMIZER, Cast.FP32,

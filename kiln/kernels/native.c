@@ -367,6 +367,42 @@ int kiln_adamw_moments(const float *g, float *m, float *v, int64_t n, double b1,
     return 0;
 }
 
+/* kiln_adamw_step: the same update in place (single process: staged, run at the commit), reading the gradient
+ * in g_dt (a bf16 gradient of a bf16 weight copy is widened as it is read, exactly: no fp32 copy of it
+ * exists). The parameter is computed from the moments as they will be, with the same float operations as
+ * kiln_adamw_param, then the moments are written. */
+#define ADAMW_STEP_LOOP(GRAD)                                                          \
+    _Pragma("omp parallel for simd num_threads(threads) schedule(static)")           \
+    for (int64_t i = 0; i < n; i++) {                                                  \
+        float gi = GRAD, mi = m[i], vi = v[i];                                         \
+        adamw_moments(gi, &mi, &vi, w1, fb2, w2);                                      \
+        float denom = sqrtf(vi) / root + e;                                            \
+        p[i] = p[i] * decay - step * mi / denom;                                       \
+        m[i] = mi;                                                                     \
+        v[i] = vi;                                                                     \
+    }
+
+static inline float bf16_at(const uint16_t *g, int64_t i) {
+    uint32_t u = (uint32_t)g[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+int kiln_adamw_step(float *p, const void *g, int g_dt, float *m, float *v, int64_t n, double lr, double b1,
+                    double b2, double eps, double wd, double bc1, double bc2_sqrt, int threads) {
+    float decay = (float)(1.0 - lr * wd), step = (float)(lr / bc1), root = (float)bc2_sqrt, e = (float)eps;
+    float w1 = (float)(1.0 - b1), fb2 = (float)b2, w2 = (float)(1.0 - b2);
+    if (g_dt == F32) {
+        const float *gf = (const float *)g;
+        ADAMW_STEP_LOOP(gf[i])
+    } else {
+        const uint16_t *gb = (const uint16_t *)g;
+        ADAMW_STEP_LOOP(bf16_at(gb, i))
+    }
+    return 0;
+}
+
 /* ---- cross-entropy over rows of logits (kiln/kernels/logit_loss.py) --------------------------------
  * x: rows x cols, row stride xs (elements), dense last dimension, fp32 or bf16; labels int64.
  * Forward: lse[r] = log(sum_j exp(x_rj)) (shifted by the row's max, summed in double) and

@@ -55,6 +55,7 @@ _SIGNATURES = {
     "kiln_rope": [_ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int, _int],
     "kiln_adamw_param": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _dbl, _dbl, _dbl, _dbl, _dbl, _dbl, _dbl, _int],
     "kiln_adamw_moments": [_ptr, _ptr, _ptr, _i64, _dbl, _dbl, _int],
+    "kiln_adamw_step": [_ptr, _ptr, _int, _ptr, _ptr, _i64, _dbl, _dbl, _dbl, _dbl, _dbl, _dbl, _dbl, _int],
     "kiln_swiglu": [_ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _i64, _i64, _int],
     "kiln_swiglu_backward": [_ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int, _i64,
                              _i64, _i64, _int],

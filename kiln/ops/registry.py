@@ -71,6 +71,10 @@ class OpDef:
     # its kernel reads mixed float dtypes and computes in the promoted one itself, as ATen's elementwise
     # arithmetic does: amp inserts no widening cast before it (a separate pass over the narrower input)
     promotes: bool = False
+    # every float input may come in a narrower float dtype holding the same values, the result unchanged (the
+    # kernel widens what it reads: the optimizer's gradients, the non-finite guard): a widening cast read
+    # only by such ops is dropped (kiln/passes/casts.py)
+    reads_narrow: bool = False
     # outputs whose dtype the kernel's `out_dtype` argument sets (computed wide, rounded once): a narrowing
     # cast of them is folded into the kernel (kiln/passes/casts.py)
     out_dtype: tuple[int, ...] = ()

@@ -173,7 +173,10 @@ def _view_of(n: Node, v: Value) -> bool:
 
 def _still_promotes(reader: Node, wide: Value, dtype: torch.dtype, dropped) -> bool:
     """Whether `reader` computes in `dtype` with `wide` in the narrow dtype: it promotes by itself, and
-    another input with dimensions has that dtype and keeps it (`dropped(v)`: v is a cast already dropped)."""
+    another input with dimensions has that dtype and keeps it (`dropped(v)`: v is a cast already dropped); or
+    it reads any input narrow as it is (`OpDef.reads_narrow`)."""
+    if reader.op.reads_narrow:
+        return True
     if not reader.op.promotes:
         return False
     others = [v for v in reader.inputs if v is not wide and v.is_float and len(v.meta.shape) > 0]

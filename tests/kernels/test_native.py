@@ -322,3 +322,43 @@ def test_explain_says_whether_the_native_loops_run(monkeypatch):
     assert torch.backends.cpu.get_cpu_capability().lower() in line and ".so" in line
     monkeypatch.setenv("KILN_NATIVE", "0")
     assert "native loops: off (KILN_NATIVE=0)" in kiln.explain(step, file=None)
+
+
+@pytest.mark.parametrize("native_on", ["1", "0"])
+def test_adamw_multi_reads_bf16_gradients_as_the_references_read_their_widened_copies(monkeypatch, native_on):
+    """amp's bf16 gradients go to the multi-tensor AdamW as they are (no fp32 copy). With the native loops
+    (which read bf16): parameters bit for bit `_fused_adamw_`'s on the widened gradients, moments bit for bit
+    torch.optim.AdamW's (single-tensor), as ZeRO's out-of-place loop; without them, widened inside the kernel:
+    all of it `_fused_adamw_`'s. Nothing is written before the commit."""
+    from kiln import optim
+    from kiln.transaction import step_transaction
+    monkeypatch.setenv("KILN_NATIVE", native_on)
+    torch.manual_seed(0)
+    shapes = [(37, 11), (10007,), (64, 64)]
+    ps = [torch.randn(s) for s in shapes]
+    gs = [torch.randn(s).bfloat16() for s in shapes[:2]] + [torch.randn(shapes[2])]     # mixed: one fp32
+    ms = [torch.randn(s) * 0.1 for s in shapes]
+    vs = [torch.rand(s) * 0.01 for s in shapes]
+    steps = [torch.tensor(float(t)) for t in (0, 3, 7)]
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    wp, wm, wv = [[t.clone() for t in ts] for ts in (ps, ms, vs)]
+    torch._fused_adamw_(wp, [g.float() for g in gs], wm, wv, [], [s + 1 for s in steps], lr=1e-3, beta1=0.9,
+                        beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    refs = [torch.nn.Parameter(p.clone()) for p in ps]
+    torch_opt = torch.optim.AdamW(refs, foreach=False, **hyper)
+    for r, g, m, v, s in zip(refs, gs, ms, vs, steps):
+        r.grad = g.float()
+        torch_opt.state[r] = {"step": s.clone(), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    torch_opt.step()
+    gp, gm, gv = [[t.clone() for t in ts] for ts in (ps, ms, vs)]
+    ss = [s.clone() for s in steps]
+    with step_transaction() as txn:
+        optim.adamw_update_multi(gp, gs, gm, gv, ss, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+        assert all(torch.equal(a, b) for a, b in zip(gp + gm + gv, ps + ms + vs))
+    txn.commit()
+    assert all(torch.equal(a, b) for a, b in zip(gp, wp))
+    if native_on == "1":
+        wm = [torch_opt.state[r]["exp_avg"] for r in refs]
+        wv = [torch_opt.state[r]["exp_avg_sq"] for r in refs]
+    assert all(torch.equal(a, b) for a, b in zip(gm + gv, wm + wv))
+    assert [s.item() for s in ss] == [1.0, 4.0, 8.0]

@@ -158,3 +158,27 @@ def test_a_cast_of_a_gradient_read_in_both_dtypes_becomes_the_kernels_second_out
     got = run(g, g_out, x, w, rstd)
     for a, b_ in zip(got, want):
         assert a.dtype == b_.dtype and torch.equal(a, b_)
+
+
+def test_a_bf16_step_gives_the_optimizer_its_bf16_gradients_without_an_fp32_copy():
+    """The gradients of the bf16 weight copies reach the multi-tensor AdamW and the non-finite guard as they
+    are (both read narrow values: `OpDef.reads_narrow`): no widening cast is left whose readers are only
+    those, and the step still trains as torch.autocast + torch.optim.AdamW does (the amp parity tests, at
+    their tolerance, tests/models/test_amp_parity.py)."""
+    from kiln import guards, optim
+    from tests.models import zoo
+    model, _args, batch, _loss = zoo.llama()
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), amp="bf16", dialects=["kiln", "sdpa", "aten"])
+    before = [p.detach().clone() for p in model.parameters()]
+    step(**batch)
+    g = step.last.graph
+    users = g.users()
+    update = next(n for n in g.nodes if n.op is optim.ADAMW_MULTI)
+    grads = update.args[1]
+    assert sum(v.meta.dtype == torch.bfloat16 for v in grads) >= len(grads) // 2, [v.meta.dtype for v in grads]
+    readers = (optim.ADAMW_MULTI.name, guards.CHECK_FINITE.name)
+    only_for_update = [n for n in g.nodes if n.target is aten._to_copy.default
+                       and n.outputs[0].meta.dtype == torch.float32 and n.args[0].meta.dtype == torch.bfloat16
+                       and all(u.op.name in readers for u in users.get(n.outputs[0], ()))]
+    assert not only_for_update, only_for_update
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
