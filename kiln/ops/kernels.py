@@ -48,8 +48,10 @@ def vjp_add_rms_norm(b, n, g_out, g_sum, _g_rstd=None):
 defop(kiln_ops.rms_norm.default, vjp_rms_norm, Kind.NORM, F32, out_dtype=(0,))
 defop(kiln_ops.add_rms_norm.default, vjp_add_rms_norm, Kind.NORM, F32, out_dtype=(0,))
 # reads a bf16 output gradient as it is (converted exactly inside): no widening cast before it; writes its
-# fp32 input gradient in bf16 too where a cast of it feeds a bf16 matmul's backward (the residual branch)
-_backward_op(kiln_ops.rms_norm_backward.default, Kind.NORM, F32, promotes=True, also_low=(0, 2))
+# fp32 input gradient in bf16 too where a cast of it feeds a bf16 matmul's backward (the residual branch);
+# adds the residual stream's other gradient to its own (grad_sum) where the graph added them
+_backward_op(kiln_ops.rms_norm_backward.default, Kind.NORM, F32, promotes=True, also_low=(0, 2),
+             accumulates=(0, 1))   # grad_sum: added to grad_input in the same pass
 
 
 # ---- dropout + residual + LayerNorm -----------------------------------------------------------

@@ -81,6 +81,9 @@ class OpDef:
     # (i, j): output i, also rounded to the dtype the kernel's `low_dtype` argument names, is output j (empty
     # otherwise): a narrowing cast of output i that is also read as it is folds into the kernel
     also_low: tuple[int, int] | None = None
+    # (i, j): output i plus a tensor t of its shape equals the op with t as its argument j (given as None):
+    # an add of output i folds into the kernel (kiln/passes/accumulate.py)
+    accumulates: tuple[int, int] | None = None
     doc: str = ""
 
     @property

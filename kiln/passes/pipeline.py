@@ -26,6 +26,7 @@ from kiln.optim import (ACCUMULATE, LOSS_SCALE, RECORD_METRIC, ZERO_ACCUMULATED,
                         unscale_and_check)
 from kiln.passes.amp import AmpPolicy, autocast
 from kiln.passes.canonicalize import canonicalize, lower_dialects
+from kiln.passes.accumulate import fold_accumulation
 from kiln.passes.casts import fold_narrowing_casts, fold_widening_casts
 from kiln.passes.collectives import gather_params, reduce_gradients
 from kiln.passes.cse import common_subexpression_elimination
@@ -197,6 +198,8 @@ PIPELINE: list[Pass] = [
     ("cse", lambda c: common_subexpression_elimination(c.graph)),
     ("dce", lambda c: dead_code_elimination(c.graph)),
     ("fuse", lambda c: fuse(c.graph, c.dialects, "training")),    # e.g. all AdamW updates -> one kernel
+    # residual gradients' sums into the kernel that makes one addend (rms_norm_backward's grad_sum)
+    ("fold_accumulation", lambda c: fold_accumulation(c.graph)),
     # bf16 -> fp32 casts read by ops that promote; fp32 -> bf16 casts of kernel outputs into the kernels
     ("fold_casts", lambda c: fold_widening_casts(c.graph) + fold_narrowing_casts(c.graph)),
     ("remat", _remat),                   # under a memory budget: activations recomputed in the backward
