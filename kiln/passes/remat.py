@@ -8,10 +8,14 @@ and again from that use to the last). Recomputing a node needs its inputs then: 
 the backward reads anyway, or a value itself recomputed (chains share the work: each recomputed node is
 emitted once, before its first use); any other input is kept longer, which the memory model counts.
 
-`plan()` simulates the memory model (kiln/passes/memory.py) with each decision: candidates are tried in
-order of cost per byte freed, ops of the cheapest kinds first (elementwise, views, then norms and
-reductions, attention, matmuls last), each kept only if it lowers the predicted peak, until the peak fits;
-then decisions that are no longer needed are dropped, costliest first. Random ops (dropout) are never
+`plan()` simulates the memory model (kiln/passes/memory.py) with each decision. The greedy pass tries the
+candidates in order of cost per byte freed, ops of the cheapest kinds first (elementwise, views, then norms
+and reductions, attention, matmuls last), each kept only if it lowers the predicted peak, until the peak
+fits; then decisions that are no longer needed are dropped, costliest first. A covering integer program
+(`_cheapest_cover`, scipy's HiGHS) then looks for the set of least recomputed FLOPs whose savings, each
+measured alone on the model, cover the excess over the budget at every node; its set is checked on the
+model (candidates interact), completed greedily, pruned, and kept where it costs fewer FLOPs than the
+greedy plan. Without scipy, or when the program finds nothing in time, the greedy plan stands. Random ops (dropout) are never
 recomputed: their outputs are kept (so recomputing what follows them reuses the same random numbers), as
 are ops with side effects, opaque fallbacks and anything the optimizer reads. `apply()` rewrites the
 graph: the copies are ordinary backward nodes (their module path kept), so the generated code shows each
@@ -28,6 +32,7 @@ from kiln.ops.registry import Kind
 from kiln.passes import memory
 
 # cheapest kinds first: what RAF and checkpointing folklore recompute before matmuls
+SOLVER_SECONDS = 10.0        # the covering program's time limit; the greedy plan stands without it
 _RANK = {Kind.VIEW: 0, Kind.POINTWISE: 0, Kind.CREATION: 0, Kind.NORM: 1, Kind.REDUCTION: 1, Kind.INDEX: 1,
          Kind.LOSS: 2, Kind.ATTENTION: 3, Kind.MATMUL: 4}
 
@@ -57,6 +62,7 @@ class Plan:
     persistent: int                 # parameters, buffers, optimizer state, the batch
     chosen: list[Recompute] = field(default_factory=list)
     outside: int = 0                # bytes of a byte budget the process holds beyond the step's tensors
+    solver: str = "greedy"          # which found `chosen`: the greedy pass, or the covering program ("milp")
 
     @property
     def extra_flops(self) -> float:
@@ -129,6 +135,10 @@ class _Model:
             self.bwd[id(b)] = sorted(i for i, ph in reads if ph is Phase.BACKWARD)
 
     def peak(self, chosen: list[Recompute]) -> int:
+        return self.prof.persistent + max(self.live(chosen), default=0)
+
+    def live(self, chosen: list[Recompute]) -> list[int]:
+        """Bytes of the program's own values (and its kernels' temporaries) live at each node."""
         dies = {id(b): b.dies for b in self.bufs}
         extra: list[tuple[int, int, int]] = []              # (born, dies, bytes) of recomputed copies
         point: dict[int, int] = {}                          # node uid -> where its copy is made
@@ -157,11 +167,11 @@ class _Model:
         for born, last, nbytes in extra:
             delta[born] += nbytes
             delta[min(last, self.n) + 1] -= nbytes
-        cur = best = 0
+        out, cur = [], 0
         for i in range(self.n):
             cur += delta[i]
-            best = max(best, cur + self.prof.workspace[i])
-        return self.prof.persistent + best
+            out.append(cur + self.prof.workspace[i])
+        return out
 
 
 def plan(graph: Graph, budget: int | float | None, outside: int = 0) -> Plan:
@@ -176,24 +186,87 @@ def plan(graph: Graph, budget: int | float | None, outside: int = 0) -> Plan:
     if budget is None or before <= result.step_budget:
         return result
     budget = result.step_budget
-    chosen: list[Recompute] = []
-    peak = before
-    for c in candidates(graph):                 # greedy: each decision kept only if the peak drops
+    cands = candidates(graph)
+    chosen, peak = _greedy(model, cands, [], before, budget)
+    result.floor = peak
+    if peak <= budget:
+        chosen, peak = _prune(model, chosen, budget)
+        solved = _cheapest_cover(model, cands, budget)
+        if solved is not None:
+            best, best_peak = _greedy(model, cands, solved, model.peak(solved), budget)
+            if best_peak <= budget:
+                best, best_peak = _prune(model, best, budget)
+                if _flops(best) < _flops(chosen):
+                    chosen, peak, result.solver = best, best_peak, "milp"
+    result.chosen, result.after = chosen, peak
+    return result
+
+
+def _flops(chosen: list[Recompute]) -> float:
+    return sum(r.flops for r in chosen)
+
+
+def _greedy(model: _Model, cands: list[Recompute], chosen: list[Recompute], peak: int,
+            budget: int) -> tuple[list[Recompute], int]:
+    """From `chosen` (predicted `peak`), the candidates in order, each kept only if the peak drops, until it fits."""
+    chosen = list(chosen)
+    for c in cands:
+        if peak <= budget:
+            break
+        if c in chosen:
+            continue
         trial = model.peak(chosen + [c])
         if trial < peak:
             chosen.append(c)
             peak = trial
-            if peak <= budget:
-                break
-    result.floor = peak
-    if peak <= budget:                          # drop what the budget no longer needs, costliest first
-        for c in sorted(chosen, key=lambda r: -r.flops):
-            rest = [r for r in chosen if r is not c]
-            trial = model.peak(rest)
-            if trial <= budget:
-                chosen, peak = rest, trial
-    result.chosen, result.after = chosen, peak
-    return result
+    return chosen, peak
+
+
+def _prune(model: _Model, chosen: list[Recompute], budget: int) -> tuple[list[Recompute], int]:
+    """Drop the decisions the budget no longer needs, costliest first."""
+    peak = model.peak(chosen)
+    for c in sorted(chosen, key=lambda r: -r.flops):
+        rest = [r for r in chosen if r is not c]
+        trial = model.peak(rest)
+        if trial <= budget:
+            chosen, peak = rest, trial
+    return chosen, peak
+
+
+def _cheapest_cover(model: _Model, cands: list[Recompute], budget: int) -> list[Recompute] | None:
+    """The set of candidates of least recomputed FLOPs whose savings cover the excess over the budget at every
+    node, each candidate's saving measured alone on the memory model (a covering integer program, solved by
+    scipy's HiGHS within SOLVER_SECONDS). Candidates interact (a recomputed input keeps its own input alive
+    longer, chains share work), which the sum of single savings does not see: `plan` checks the set on the
+    model, completes it greedily and prunes it, and keeps it only where it costs less than the greedy plan.
+    None without scipy, when the program has no solution, or on time out."""
+    try:
+        import numpy as np
+        from scipy.optimize import Bounds, LinearConstraint, milp
+    except ImportError:
+        return None
+    base = np.array(model.live([]), dtype=np.float64)
+    excess = base - (budget - model.prof.persistent)
+    over = np.nonzero(excess > 0)[0]
+    if over.size == 0:
+        return []
+    useful, columns = [], []
+    for c in cands:
+        saving = base[over] - np.array(model.live([c]), dtype=np.float64)[over]
+        if saving.max() > 0:
+            useful.append(c)
+            columns.append(saving)
+    if not useful:
+        return None
+    # rows: the nodes over the budget (identical rows once); units of MiB keep the numbers well scaled
+    rows = np.unique(np.column_stack(columns + [excess[over]]) / 2 ** 20, axis=0)
+    a, need = rows[:, :-1], rows[:, -1]
+    cost = np.array([c.flops for c in useful]) / 1e9 + 1e-3          # GFLOP, and a little per decision
+    res = milp(cost, constraints=LinearConstraint(a, lb=need, ub=np.inf), integrality=np.ones(len(useful)),
+               bounds=Bounds(0, 1), options={"time_limit": SOLVER_SECONDS})
+    if res.x is None:
+        return None
+    return [c for c, x in zip(useful, res.x) if x > 0.5]
 
 
 def apply(graph: Graph, chosen: list[Recompute]) -> int:

@@ -82,6 +82,7 @@ class MemoryReport:
     unconstrained: int | None = None     # the predicted peak without rematerialization (a budget was given)
     recomputed: list[str] = field(default_factory=list)
     extra_flops: float = 0.0
+    solver: str = ""                     # what chose the recomputed ops: "greedy" or "milp"
     measured_peak: int | None = None     # persistent + the allocator's largest transient total on a replay
     measured_at: str | None = None
     note: str = ""
@@ -101,7 +102,8 @@ class MemoryReport:
                     f"{(self.budget - self.outside) / MIB:.1f} MiB for the step") if self.outside else ""
             lines.append(f"budget: {self.budget / MIB:.1f} MiB{held}; without rematerialization the step's peak would "
                          f"be {(self.unconstrained or 0) / MIB:.1f} MiB; {len(self.recomputed)} op(s) recomputed in "
-                         f"the backward for {self.extra_flops / 1e9:.2f} GFLOP more per step")
+                         f"the backward for {self.extra_flops / 1e9:.2f} GFLOP more per step"
+                         + (f" (chosen by the {_SOLVERS.get(self.solver, self.solver)})" if self.recomputed else ""))
             lines += [f"  recomputed: {r}" for r in self.recomputed]
         lines.append("live at the peak (biggest first):")
         lines += [f"  {b.nbytes / MIB:8.1f} MiB  {b.name} ({b.op}{' in ' + b.module if b.module else ''})"
@@ -109,6 +111,9 @@ class MemoryReport:
         if self.note:
             lines.append(self.note)
         return "\n".join(lines)
+
+
+_SOLVERS = {"greedy": "greedy pass", "milp": "covering integer program, cheaper than the greedy pass's choice"}
 
 
 def _where(graph, i: int) -> str:
@@ -132,6 +137,7 @@ def report(prog, plan=None, measured: list[int] | None = None, top: int = 8) -> 
         rep.budget, rep.unconstrained, rep.outside = plan.budget, plan.before, plan.outside
         rep.recomputed = [str(r) for r in plan.chosen]
         rep.extra_flops = plan.extra_flops
+        rep.solver = plan.solver
     if measured is not None:
         i = max(range(len(measured)), key=measured.__getitem__)
         rep.measured_peak, rep.measured_at = prof.persistent + measured[i], _where(g, i)
