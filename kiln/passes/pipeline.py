@@ -28,6 +28,7 @@ from kiln.passes.amp import AmpPolicy, autocast
 from kiln.passes.canonicalize import canonicalize, lower_dialects
 from kiln.passes.accumulate import fold_accumulation
 from kiln.passes.casts import fold_narrowing_casts, fold_widening_casts
+from kiln.passes.schedule import Schedule, schedule_backward
 from kiln.passes.collectives import gather_params, reduce_gradients
 from kiln.passes.cse import common_subexpression_elimination
 from kiln.passes.dce import dead_code_elimination
@@ -69,6 +70,7 @@ class Context:
     memory_budget: int | float | None = None     # bytes, or a fraction of the unconstrained peak (remat)
     heap_outside: int = 0          # bytes the process holds beyond the step's tensors (a byte budget covers them)
     memory: object = None                        # what the remat pass decided (kiln.passes.remat.Plan)
+    schedule: object = None                      # what the schedule pass did (kiln.passes.schedule.Schedule)
     updates: list[Update] = field(default_factory=list)   # autodiff -> (collectives) -> optimizer
     loss_scale: Value | None = None                       # fp16: the backward's seed, a state input
     collectives: object = None     # data parallel: the collectives pass's Plan (kiln/passes/collectives.py)
@@ -171,6 +173,11 @@ def _state_meta(p: Value, slot: str):
     return _scalar_meta(torch.float32) if slot == "step" else p.meta
 
 
+def _schedule(ctx: Context) -> int:
+    ctx.schedule = schedule_backward(ctx.graph)
+    return ctx.schedule.moved
+
+
 def _remat(ctx: Context) -> int:
     if ctx.memory_budget is None:       # no budget: nothing to decide (step.memory() profiles the program)
         return 0
@@ -202,6 +209,7 @@ PIPELINE: list[Pass] = [
     ("fold_accumulation", lambda c: fold_accumulation(c.graph)),
     # bf16 -> fp32 casts read by ops that promote; fp32 -> bf16 casts of kernel outputs into the kernels
     ("fold_casts", lambda c: fold_widening_casts(c.graph) + fold_narrowing_casts(c.graph)),
+    ("schedule", _schedule),             # the backward's independent ops reordered where the predicted peak drops
     ("remat", _remat),                   # under a memory budget: activations recomputed in the backward
     ("regions", lambda c: c.regions.extend(find_regions(c.graph, c.dialects))),   # elementwise/reduction regions: kernels wanted
     ("dispatch", lambda c: dispatch(c.graph, c.dialects, c.choices)),   # each node -> a dialect's kernel (measured: a choice)

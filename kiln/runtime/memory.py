@@ -83,6 +83,7 @@ class MemoryReport:
     recomputed: list[str] = field(default_factory=list)
     extra_flops: float = 0.0
     solver: str = ""                     # what chose the recomputed ops: "greedy" or "milp"
+    reordered: tuple[int, int, int] | None = None     # backward nodes moved, predicted peak before and after
     measured_peak: int | None = None     # persistent + the allocator's largest transient total on a replay
     measured_at: str | None = None
     note: str = ""
@@ -105,6 +106,10 @@ class MemoryReport:
                          f"the backward for {self.extra_flops / 1e9:.2f} GFLOP more per step"
                          + (f" (chosen by the {_SOLVERS.get(self.solver, self.solver)})" if self.recomputed else ""))
             lines += [f"  recomputed: {r}" for r in self.recomputed]
+        if self.reordered:
+            moved, before, after = self.reordered
+            lines.append(f"backward reordered for memory: {moved} node(s) moved, predicted peak {before / MIB:.1f} -> "
+                         f"{after / MIB:.1f} MiB before any recomputation")
         lines.append("live at the peak (biggest first):")
         lines += [f"  {b.nbytes / MIB:8.1f} MiB  {b.name} ({b.op}{' in ' + b.module if b.module else ''})"
                   f"{', kept for the backward' if b.kept_for_backward else ''}" for b in self.live]
@@ -133,6 +138,9 @@ def report(prog, plan=None, measured: list[int] | None = None, top: int = 8) -> 
         live.insert(0, Live("(its kernel's temporaries)", n.op.name, n.scope, prof.workspace[prof.at], False))
         live.sort(key=lambda b: -b.nbytes)
     rep = MemoryReport(prof.peak, prof.persistent, _where(g, prof.at) if g.nodes else "-", live, prof.saved_bytes)
+    sched = getattr(prog, "schedule", None)
+    if sched is not None and sched.moved:
+        rep.reordered = (sched.moved, sched.before, sched.after)
     if plan is not None:
         rep.budget, rep.unconstrained, rep.outside = plan.budget, plan.before, plan.outside
         rep.recomputed = [str(r) for r in plan.chosen]

@@ -37,6 +37,7 @@ class Program:
     calls: int = 0
     tuning: tuple = ((), ())      # the background workers and settle hooks its compilation prepared (Tuner.since)
     memory: object = None         # what rematerialization decided under the memory budget (kiln.passes.remat.Plan)
+    schedule: object = None       # how the backward was reordered for memory (kiln.passes.schedule.Schedule)
     metrics: tuple = ()           # the numbers its commit reports (step.grad_norm): keys of CompiledStep._metrics
 
     @property

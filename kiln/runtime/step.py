@@ -420,6 +420,7 @@ class CompiledStep:
         prog = Program(ctx.graph, source, fn, fetch, seconds, ctx.timings, ctx.regions, signature)
         prog.tuning = self.tuner.since(mark)
         prog.memory = ctx.memory
+        prog.schedule = ctx.schedule
         prog.metrics = tuple(v.source[len(METRICS) + 1:] for v in ctx.graph.inputs
                              if v.role is Role.STATE and v.source.startswith(METRICS + ":"))
         return prog
