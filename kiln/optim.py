@@ -112,15 +112,13 @@ def _adamw_native_in_place(params, grads, exp_avgs, exp_avg_sqs, new_steps, lr, 
     if any(not g.is_contiguous() or g.numel() != p.numel() for g, p in zip(grads, params)):
         return False
     lr, beta1, beta2, eps, wd = (float(x) for x in (lr, beta1, beta2, eps, weight_decay))
-    ts = [float(t) for t in new_steps]
     threads = native.threads()
-
-    def update():                                   # at the commit, before any copy (it can refuse)
-        for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, ts):
-            native.check(lib.kiln_adamw_step(p.data_ptr(), g.data_ptr(), native.code(g), m.data_ptr(), v.data_ptr(),
-                                              p.numel(), lr, beta1, beta2, eps, wd, 1 - beta1 ** t,
-                                              math.sqrt(1 - beta2 ** t), threads), "adamw")
-    stage_first(update)
+    # one staged write per parameter, each a single C call (no Python frame: an interrupt cannot fall inside
+    # one, and the commit rolls forward over the rest); the tensors are held by a write that does nothing
+    for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, (float(t) for t in new_steps)):
+        stage_first(lib.kiln_adamw_step, p.data_ptr(), g.data_ptr(), native.code(g), m.data_ptr(), v.data_ptr(),
+                    p.numel(), lr, beta1, beta2, eps, wd, 1 - beta1 ** t, math.sqrt(1 - beta2 ** t), threads)
+    stage(tuple, [*params, *grads, *exp_avgs, *exp_avg_sqs])
     return True
 
 
@@ -185,10 +183,11 @@ def _adamw_out_native(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, 
                                       new_p.data_ptr(), n, lr, beta1, beta2, eps, wd, 1 - beta1 ** t,
                                       math.sqrt(1 - beta2 ** t), threads), "adamw")
 
-    def moments(g=grad, m=exp_avg, v=exp_avg_sq):      # at the commit: one C call, the same arithmetic
-        native.check(lib.kiln_adamw_moments(g.data_ptr(), m.data_ptr(), v.data_ptr(), n, beta1, beta2, threads),
-                     "adamw")
-    stage_first(moments)
+    # at the commit: one C call (no Python frame an interrupt could split), the same arithmetic; the tensors
+    # are held by a write that does nothing
+    stage_first(lib.kiln_adamw_moments, grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n, beta1, beta2,
+                threads)
+    stage(tuple, [grad, exp_avg, exp_avg_sq])
     stage(torch._foreach_copy_, [step], [new_step])
     return new_p
 

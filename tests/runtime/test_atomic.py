@@ -40,6 +40,8 @@ OPTIMIZERS = {   # name: (kiln.compile arguments, inject at every k-th line even
     "sgd-nesterov-clip": (lambda: dict(optimizer=kiln.optim.SGD(lr=0.1, momentum=0.9, nesterov=True,
                                                                 max_grad_norm=0.5)), 3),
     "fp16": (lambda: dict(optimizer=kiln.optim.AdamW(lr=1e-2), amp="fp16"), 1),
+    # bf16 gradients read as they are by the native AdamW loop, one staged C call per parameter
+    "bf16-native-adamw": (lambda: dict(optimizer=kiln.optim.AdamW(lr=1e-2), amp="bf16"), 1),
 }
 
 
