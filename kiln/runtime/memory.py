@@ -108,14 +108,18 @@ class MemoryReport:
             lines += [f"  recomputed: {r}" for r in self.recomputed]
         if self.reordered:
             moved, before, after = self.reordered
-            lines.append(f"backward reordered for memory: {moved} node(s) moved, predicted peak {before / MIB:.1f} -> "
-                         f"{after / MIB:.1f} MiB before any recomputation")
+            lines.append(f"backward reordered for memory: {moved} node(s) moved, predicted peak {_size(before)} -> "
+                         f"{_size(after)} before any recomputation")
         lines.append("live at the peak (biggest first):")
         lines += [f"  {b.nbytes / MIB:8.1f} MiB  {b.name} ({b.op}{' in ' + b.module if b.module else ''})"
                   f"{', kept for the backward' if b.kept_for_backward else ''}" for b in self.live]
         if self.note:
             lines.append(self.note)
         return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / MIB:.1f} MiB" if nbytes >= MIB else f"{nbytes / 1024:.1f} KiB"
 
 
 _SOLVERS = {"greedy": "greedy pass", "milp": "covering integer program, cheaper than the greedy pass's choice"}
