@@ -236,3 +236,23 @@ def test_peak_memory_does_not_grow_with_tokens_times_vocab():
     assert fused < 3 * chunk + 2 * weight_grad + 4 * 2 ** 20, fused
     # twice the tokens: eager's logits double; the fused peak grows by grad_hidden (2048 x 64 floats) only
     assert _peak(2 * tokens, vocab, "fused") < fused + 3 * 2 ** 20
+
+
+@pytest.mark.parametrize("bad", [40, -1])
+def test_bf16_grads_native_softmax_refuses_labels_outside_the_vocabulary(bad):
+    """The bf16 chunks' softmax runs as the native loops; a label outside [0, vocab) that is not the ignore
+    index raises (as ATen's gather does), never counts as ignored."""
+    h, w, y = torch.randn(12, 16).bfloat16(), (torch.randn(40, 16) * 0.5).bfloat16(), _labels((12,), 40)
+    y[3] = bad
+    with pytest.raises(IndexError, match="out of bounds"):
+        torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "mean", 0)
+
+
+def test_bf16_grads_native_and_aten_softmax_agree(monkeypatch):
+    h, w = torch.randn(64, 16).bfloat16(), (torch.randn(300, 16) * 0.5).bfloat16()
+    y = _labels((64,), 300)
+    native_out = torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "mean", 0)
+    monkeypatch.setenv("KILN_NATIVE", "0")
+    aten_out = torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "mean", 0)
+    for a, b in zip(native_out, aten_out):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-2 if a.dtype == torch.bfloat16 else 1e-5)
