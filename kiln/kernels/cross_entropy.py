@@ -26,6 +26,7 @@ from torch import Tensor
 
 from kiln.kernels import native
 from kiln.kernels._common import acc_dtype, gpu_impl, rows
+from kiln.kernels.logit_loss import _out_of_range
 
 # Elements of one chunk of logits: 16M (64 MiB in fp32). Fewer rows than MIN_ROWS make the matmuls
 # slow on a CPU (measured: 65 rows x 128k vocab is 2.7x slower than 131 rows; every chunk streams the
@@ -302,27 +303,22 @@ def _native_softmax(hidden: Tensor):
 
 def _softmax_minus_onehot_native(z: Tensor, y: Tensor, per_token: Tensor, lse: Tensor, ignore_index: int) -> None:
     """A bf16 chunk of logits z (rows x vocab, contiguous) overwritten with softmax - onehot (computed in fp32,
-    rounded once), each row's loss into per_token and its log-sum-exp into lse (the rows are the counted
-    tokens: a label equal to `ignore_index` is not among them, any other outside the vocabulary raises):
-    kiln_ce_forward, then
-    kiln_ce_backward with scale 1, two passes over the chunk instead of ATen's eight per block. Measured at
-    1024 x 8192 (2 threads, the Xeon of docs/kernels.md): 6.3 against 8.2 ms."""
+    rounded once), each row's loss written into per_token and its log-sum-exp into lse (contiguous fp32). The
+    rows are the counted tokens: no label equals `ignore_index`, and any other outside the vocabulary raises.
+    kiln_ce_forward, then kiln_ce_backward with scale 1: two passes over the chunk instead of ATen's eight per
+    block. Measured at 1024 x 8192 (2 threads, the Xeon of docs/kernels.md): 6.3 against 8.2 ms."""
     lib = native.library()
     rows, cols = z.shape
     yy = y.reshape(-1).contiguous()
-    loss, l32 = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
-    status = lib.kiln_ce_forward(z.data_ptr(), native.code(z), z.stride(0), yy.data_ptr(), ignore_index, loss.data_ptr(),
-                                 l32.data_ptr(), rows, cols, native.threads())
+    status = lib.kiln_ce_forward(z.data_ptr(), native.code(z), z.stride(0), yy.data_ptr(), ignore_index,
+                                 per_token.data_ptr(), lse.data_ptr(), rows, cols, native.threads())
     if status == 2:
-        bad = yy[(yy < 0) | (yy >= cols)]
-        raise IndexError(f"cross_entropy: target {int(bad[0])} is out of bounds for {cols} classes")
+        _out_of_range(yy, ignore_index, cols)
     native.check(status, "cross-entropy")
     one = torch.ones(1, dtype=torch.float32)
-    native.check(lib.kiln_ce_backward(z.data_ptr(), native.code(z), z.stride(0), yy.data_ptr(), ignore_index, l32.data_ptr(),
-                                      one.data_ptr(), 0, z.data_ptr(), native.code(z), z.stride(0), rows, cols,
-                                      native.threads()), "cross-entropy")
-    per_token.copy_(loss)
-    lse.copy_(l32)
+    native.check(lib.kiln_ce_backward(z.data_ptr(), native.code(z), z.stride(0), yy.data_ptr(), ignore_index,
+                                      lse.data_ptr(), one.data_ptr(), 0, z.data_ptr(), native.code(z), z.stride(0),
+                                      rows, cols, native.threads()), "cross-entropy")
 
 
 @linear_cross_entropy_grads_op.register_fake

@@ -15,8 +15,8 @@ fits; then decisions that are no longer needed are dropped, costliest first. A c
 (`_cheapest_cover`, scipy's HiGHS) then looks for the set of least recomputed FLOPs whose savings, each
 measured alone on the model, cover the excess over the budget at every node; its set is checked on the
 model (candidates interact), completed greedily, pruned, and kept where it costs fewer FLOPs than the
-greedy plan. Without scipy, or when the program finds nothing in time, the greedy plan stands. Random ops (dropout) are never
-recomputed: their outputs are kept (so recomputing what follows them reuses the same random numbers), as
+greedy plan. Without scipy, or when the program finds nothing in time, the greedy plan stands.
+Random ops (dropout) are never recomputed: their outputs are kept (so recomputing what follows them reuses the same random numbers), as
 are ops with side effects, opaque fallbacks and anything the optimizer reads. `apply()` rewrites the
 graph: the copies are ordinary backward nodes (their module path kept), so the generated code shows each
 recomputation where it runs, and the later passes fuse recomputed elementwise ops into backward regions.
@@ -31,8 +31,8 @@ from kiln.ir.graph import Graph, Node, Phase, Value, tree_map_values
 from kiln.ops.registry import Kind
 from kiln.passes import memory
 
-# cheapest kinds first: what RAF and checkpointing folklore recompute before matmuls
 SOLVER_SECONDS = 10.0        # the covering program's time limit; the greedy plan stands without it
+# cheapest kinds first: what RAF and checkpointing folklore recompute before matmuls
 _RANK = {Kind.VIEW: 0, Kind.POINTWISE: 0, Kind.CREATION: 0, Kind.NORM: 1, Kind.REDUCTION: 1, Kind.INDEX: 1,
          Kind.LOSS: 2, Kind.ATTENTION: 3, Kind.MATMUL: 4}
 
