@@ -15,6 +15,7 @@ from kiln.kernels._common import acc_dtype
 from kiln.kernels.cross_entropy import LOGIT_BUDGET, SOFTMAX_BLOCK, chunk_rows, grads_budget
 from kiln.kernels.norms import dropout_scale
 from kiln.ops.common import arg, shape, sum_to
+from kiln.ops.nn import last_dim_rows
 from kiln.ops.registry import Cast, Kind, defop
 from kiln.ir.symbolic import hint
 
@@ -45,8 +46,8 @@ def vjp_add_rms_norm(b, n, g_out, g_sum, _g_rstd=None):
     return gs, gs, gw, None       # x and residual both get d(out)/d(sum) + the sum's own gradient
 
 
-defop(kiln_ops.rms_norm.default, vjp_rms_norm, Kind.NORM, F32, out_dtype=(0,))
-defop(kiln_ops.add_rms_norm.default, vjp_add_rms_norm, Kind.NORM, F32, out_dtype=(0,))
+defop(kiln_ops.rms_norm.default, vjp_rms_norm, Kind.NORM, F32, out_dtype=(0,), rows=last_dim_rows(0))
+defop(kiln_ops.add_rms_norm.default, vjp_add_rms_norm, Kind.NORM, F32, out_dtype=(0,), rows=last_dim_rows(0, 1))
 # reads a bf16 output gradient as it is (converted exactly inside): no widening cast before it; writes its
 # fp32 input gradient in bf16 too where a cast of it feeds a bf16 matmul's backward (the residual branch);
 # adds the residual stream's other gradient to its own (grad_sum) where the graph added them
@@ -91,7 +92,8 @@ def _swiglu_linear_bwd_flops(n) -> float:
 
 defop(kiln_ops.swiglu.default, vjp_swiglu, Kind.POINTWISE, FOLLOW)
 _backward_op(kiln_ops.swiglu_backward.default, Kind.POINTWISE, FOLLOW)
-defop(kiln_ops.swiglu_linear.default, vjp_swiglu_linear, Kind.MATMUL, LOW, cost=_swiglu_linear_flops)
+defop(kiln_ops.swiglu_linear.default, vjp_swiglu_linear, Kind.MATMUL, LOW, cost=_swiglu_linear_flops,
+      rows=last_dim_rows(0))
 _backward_op(kiln_ops.swiglu_linear_backward.default, Kind.MATMUL, LOW, cost=_swiglu_linear_bwd_flops)
 
 
@@ -112,7 +114,8 @@ def _linear_gelu_bwd_flops(n) -> float:
     return 6.0 * _numel(x) * hint(shape(w)[0])
 
 
-defop(kiln_ops.linear_gelu.default, vjp_linear_gelu, Kind.MATMUL, LOW, cost=_linear_gelu_flops)
+defop(kiln_ops.linear_gelu.default, vjp_linear_gelu, Kind.MATMUL, LOW, cost=_linear_gelu_flops,
+      rows=last_dim_rows(0))
 _backward_op(kiln_ops.linear_gelu_backward.default, Kind.MATMUL, LOW, cost=_linear_gelu_bwd_flops)
 
 
@@ -183,8 +186,21 @@ def _lce_temporaries(hidden, weight, chunk, grads: bool = True, weight_sum: bool
 # amp must run in low precision as it would the unfused lm_head; the kernel keeps the softmax
 # statistics and the loss in fp32 itself. amp_overrides={"kiln.linear_cross_entropy": "fp32"} opts out
 # (for the fused loss of a compiled lm_head: "kiln.linear_cross_entropy_grads").
+def _smaller_chunks(budget):
+    """`OpDef.smaller` of a loss kernel: about k times fewer rows per chunk of logits (its `chunk_size`)."""
+    def smaller(n, k: int) -> tuple:
+        hidden, weight, chunk = n.args[0], n.args[1], n.args[5]
+        if hidden.meta.symbolic or weight.meta.symbolic:
+            return n.args
+        tokens = int(_numel(hidden)) // int(shape(hidden)[-1])
+        rows = chunk_rows(tokens, int(shape(weight)[0]), chunk if isinstance(chunk, int) else 0, budget(n))
+        return (*n.args[:5], max(1, rows // k), *n.args[6:])
+    return smaller
+
+
 defop(kiln_ops.linear_cross_entropy.default, vjp_linear_cross_entropy, Kind.LOSS, LOW, cost=_lce_flops,
-      workspace=lambda n: _lce_temporaries(n.args[0], n.args[1], n.args[5], grads=False, weight_sum=False))
+      workspace=lambda n: _lce_temporaries(n.args[0], n.args[1], n.args[5], grads=False, weight_sum=False),
+      smaller=_smaller_chunks(lambda n: LOGIT_BUDGET))
 _backward_op(kiln_ops.linear_cross_entropy_backward.default, Kind.LOSS, LOW,
              cost=lambda n: _lce_flops(n, 6.0),   # recompute + grad_hidden + grad_weight
              workspace=lambda n: _lce_temporaries(n.args[1], n.args[2], n.args[7]))
@@ -203,7 +219,8 @@ def vjp_linear_cross_entropy_grads(b, n, g, *_unused):
 defop(kiln_ops.linear_cross_entropy_grads.default, vjp_linear_cross_entropy_grads, Kind.LOSS, LOW,
       cost=lambda n: _lce_flops(n, 6.0),   # the logits, grad_hidden and grad_weight
       workspace=lambda n: _lce_temporaries(n.args[0], n.args[1], n.args[5], weight_sum=False,
-                                           budget=grads_budget(n.args[0].meta.dtype), blocked=True))
+                                           budget=grads_budget(n.args[0].meta.dtype), blocked=True),
+      smaller=_smaller_chunks(lambda n: grads_budget(n.args[0].meta.dtype)))
 _backward_op(kiln_ops.linear_cross_entropy_grads_backward.default, Kind.LOSS, FOLLOW)
 
 

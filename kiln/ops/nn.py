@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from kiln.ir.graph import Value
 from kiln.ops.common import arg, reshape, shape
 from kiln.ops.registry import Cast, Kind, OpDef, defop, nondiff, register
 from kiln.ops.spectral import conj, is_complex
@@ -38,7 +39,12 @@ def vjp_linear(b, n, g):
     return gx, gw, gb
 
 
-defop(aten.linear.default, vjp_linear, Kind.MATMUL, LOW, cost=_matmul_flops)
+def last_dim_rows(*positions: int):
+    """`OpDef.rows` of an op acting on the last dim of the arguments at `positions` (every leading dim a row)."""
+    return lambda n: (positions, len(shape(n.args[positions[0]])) - 1)
+
+
+defop(aten.linear.default, vjp_linear, Kind.MATMUL, LOW, cost=_matmul_flops, rows=last_dim_rows(0))
 
 
 def vjp_addmm(b, n, g):
@@ -51,10 +57,15 @@ def vjp_addmm(b, n, g):
     return scale(g, beta), gx, gw
 
 
-defop(aten.addmm.default, vjp_addmm, Kind.MATMUL, LOW, cost=_matmul_flops)
+def _addmm_rows(n):
+    bias = n.args[0]                   # a (rows, out) bias is sliced with the rows; a (out,) one is not
+    return ((0, 1) if isinstance(bias, Value) and len(shape(bias)) == 2 else (1,)), 1
+
+
+defop(aten.addmm.default, vjp_addmm, Kind.MATMUL, LOW, cost=_matmul_flops, rows=_addmm_rows)
 defop(aten.mm.default, lambda b, n, g: (b(aten.mm.default, g, b(aten.t.default, conj(b, n.args[1]))),
                                         b(aten.mm.default, b(aten.t.default, conj(b, n.args[0])), g)),
-      Kind.MATMUL, LOW, cost=_matmul_flops)
+      Kind.MATMUL, LOW, cost=_matmul_flops, rows=lambda n: ((0,), 1))
 defop(aten.bmm.default, lambda b, n, g: (b(aten.bmm.default, g, b(aten.transpose.int, conj(b, n.args[1]), 1, 2)),
                                          b(aten.bmm.default, b(aten.transpose.int, conj(b, n.args[0]), 1, 2), g)),
       Kind.MATMUL, LOW, cost=_matmul_flops)
@@ -87,7 +98,8 @@ def vjp_layer_norm(b, n, g, g_mean=None, g_rstd=None):
     return gx, None, gw if w is not None else None, gb if bias is not None else None, None
 
 
-defop(aten.native_layer_norm.default, vjp_layer_norm, Kind.NORM, F32)
+defop(aten.native_layer_norm.default, vjp_layer_norm, Kind.NORM, F32,
+      rows=lambda n: ((0,), len(shape(n.args[0])) - len(n.args[1])))
 
 
 def vjp_batch_norm_train(b, n, g, *unused):
@@ -148,10 +160,11 @@ defop(aten.native_dropout.default, vjp_dropout, Kind.RANDOM)
 
 # ---- softmax and losses -----------------------------------------------------------------------
 defop(aten._softmax.default, lambda b, n, g: (
-    b(aten._softmax_backward_data.default, g, n.out, n.args[1], n.args[0].meta.dtype), None, None), Kind.REDUCTION, F32)
+    b(aten._softmax_backward_data.default, g, n.out, n.args[1], n.args[0].meta.dtype), None, None), Kind.REDUCTION, F32,
+    rows=lambda n: ((0,), n.args[1] % len(shape(n.args[0]))))      # rows: the dims before the softmax's
 defop(aten._log_softmax.default, lambda b, n, g: (
     b(aten._log_softmax_backward_data.default, g, n.out, n.args[1], n.args[0].meta.dtype), None, None),
-    Kind.REDUCTION, F32)
+    Kind.REDUCTION, F32, rows=lambda n: ((0,), n.args[1] % len(shape(n.args[0]))))
 
 
 def _nll_rule(backward):

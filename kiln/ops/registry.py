@@ -84,6 +84,16 @@ class OpDef:
     # (i, j): output i plus a tensor t of its shape equals the op with t as its argument j (given as None):
     # an add of output i folds into the kernel (kiln/passes/accumulate.py)
     accumulates: tuple[int, int] | None = None
+    # the op computes each row of some leading dims of its outputs from the same row of the arguments at
+    # given positions alone (other arguments apply to every row: weights): given the node, (those positions,
+    # how many leading dims at most are rows), or None where this use mixes rows. Pointwise ops need no
+    # declaration (their shapes say it). The chunk pass (kiln/passes/chunk.py) runs such ops on row slices
+    rows: Callable[[Any], tuple[tuple[int, ...], int] | None] | None = None
+    # the position of the argument that is the output's shape (view, reshape): a row slice rewrites it
+    shape_arg: int | None = None
+    # (node, k) -> the node's arguments with its kernel's temporaries about k times smaller (the loss kernels'
+    # chunks of logits): what the chunk pass asks of it under a budget rematerialization alone misses
+    smaller: Callable[[Any, int], tuple] | None = None
     doc: str = ""
 
     @property

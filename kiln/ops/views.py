@@ -14,7 +14,7 @@ def _back_to_input_shape(b, n, g):
     return (reshape(b, g, shape(n.args[0])),)
 
 
-defop((aten.view.default, aten._unsafe_view.default, aten.reshape.default), _back_to_input_shape, V)
+defop((aten.view.default, aten._unsafe_view.default, aten.reshape.default), _back_to_input_shape, V, shape_arg=1)
 defop((aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints),
       _back_to_input_shape, V)
 defop(aten.unsqueeze.default, lambda b, n, g: (b(aten.squeeze.dim, g, n.args[1]),), V)

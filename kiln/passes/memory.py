@@ -159,3 +159,40 @@ def peak_expr(graph: Graph):
     for b in prof.live_at(prof.at):
         total = total + b.owner.meta.nbytes
     return symbolic.expr(total) if not isinstance(total, int) else total
+
+
+def fused_within(graph: Graph, groups: list[list[Node]], limit: int) -> list[list[Node]]:
+    """The groups of ops to fuse (regions, each run where its last op is) whose placement keeps the predicted
+    peak within `limit` bytes. A region holds what it reads from outside until its place, which can outlive
+    the value's last reader before (a chain of sums waits for its last addend: every addend is then live
+    at once). Greedy in program order: a group that would push the peak past the limit stays unfused."""
+    prof = profile(graph)
+    pos = {n.uid: i for i, n in enumerate(graph.nodes)}
+    owner = {v: b for b in prof.buffers for v in b.values}
+    live = list(prof.live)
+    cap = limit - prof.persistent
+    dies: dict[int, int] = {}
+    kept = []
+    for nodes in groups:
+        inside = {x.uid for x in nodes}
+        place = max(pos[x.uid] for x in nodes)
+        extra = [0] * (place + 1)
+        held: dict[int, Buffer] = {}
+        for x in nodes:
+            for v in x.inputs:
+                b = owner.get(v)
+                if b is None or b.persistent or id(b) in held or (v.producer is not None and v.producer.uid in inside):
+                    continue
+                end = dies.get(id(b), b.dies)
+                if end < place:
+                    held[id(b)] = b
+                    for j in range(end + 1, place + 1):
+                        extra[j] += b.nbytes
+        if held and any(live[j] + extra[j] > cap for j in range(place + 1) if extra[j]):
+            continue
+        for j in range(place + 1):
+            live[j] += extra[j]
+        for k in held:
+            dies[k] = place
+        kept.append(nodes)
+    return kept

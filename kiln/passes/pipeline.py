@@ -26,6 +26,7 @@ from kiln.optim import (ACCUMULATE, LOSS_SCALE, RECORD_METRIC, ZERO_ACCUMULATED,
                         unscale_and_check)
 from kiln.passes.amp import AmpPolicy, autocast
 from kiln.passes.canonicalize import canonicalize, lower_dialects
+from kiln.passes.chunk import chunk_rows
 from kiln.passes.accumulate import fold_accumulation
 from kiln.passes.casts import fold_narrowing_casts, fold_widening_casts
 from kiln.passes.schedule import Schedule, schedule_backward
@@ -76,6 +77,9 @@ class Context:
     collectives: object = None     # data parallel: the collectives pass's Plan (kiln/passes/collectives.py)
     accumulate: int = 1            # gradient accumulation: micro-batches per update (loss seeded with 1/N)
     update: bool = True            # accumulate > 1: whether this program is the cycle's last micro-step
+    chunks: int = 1                # row slices of the forward's row-wise blocks (a budget remat alone misses)
+    chunking: object = None        # what the chunk pass found and did (kiln.passes.chunk.Chunking)
+    peak_reference: int | None = None    # a fractional budget is of this peak (the unchunked program's)
 
 
 def add_backward(ctx: Context) -> int:
@@ -178,11 +182,25 @@ def _schedule(ctx: Context) -> int:
     return ctx.schedule.moved
 
 
+def _chunk(ctx: Context) -> int:
+    if ctx.memory_budget is None:       # only a budget remat alone cannot meet asks for slices
+        return 0
+    ctx.chunking = chunk_rows(ctx.graph, ctx.chunks)
+    return ctx.chunking.blocks
+
+
 def _remat(ctx: Context) -> int:
     if ctx.memory_budget is None:       # no budget: nothing to decide (step.memory() profiles the program)
         return 0
-    ctx.memory = rematerialize(ctx.graph, ctx.memory_budget, ctx.heap_outside, amp=ctx.amp is not None)
+    ctx.memory = rematerialize(ctx.graph, ctx.memory_budget, ctx.heap_outside, amp=ctx.amp is not None,
+                               reference=ctx.peak_reference, chunking=ctx.chunking)
     return len(ctx.memory.chosen)
+
+
+def _limit(ctx: Context) -> int | None:
+    """The bytes a budget leaves the step's peak (regions must not push it past them), or None."""
+    plan = ctx.memory
+    return plan.step_budget if plan is not None and plan.budget is not None else None
 
 
 Pass = tuple[str, Callable[[Context], object]]
@@ -196,6 +214,7 @@ PIPELINE: list[Pass] = [
     ("dce", lambda c: dead_code_elimination(c.graph)),
     ("fuse", lambda c: fuse(c.graph, c.dialects, "forward")),     # dialect fusion patterns -> fused ops
     ("amp", lambda c: autocast(c.graph, c.amp) if c.amp else 0),   # casts per op cast class (bf16/fp16)
+    ("chunk", _chunk),                   # a budget remat alone misses: row-wise blocks run on row slices
     # the training graph: forward + backward + update
     ("autodiff", add_backward),                                   # gradients of the trainable parameters
     ("collectives", reduce_gradients),   # data parallel: gradient buckets, async all-reduce / reduce-scatter
@@ -211,7 +230,7 @@ PIPELINE: list[Pass] = [
     ("fold_casts", lambda c: fold_widening_casts(c.graph) + fold_narrowing_casts(c.graph)),
     ("schedule", _schedule),             # the backward's independent ops reordered where the predicted peak drops
     ("remat", _remat),                   # under a memory budget: activations recomputed in the backward
-    ("regions", lambda c: c.regions.extend(find_regions(c.graph, c.dialects))),   # elementwise/reduction regions: kernels wanted
+    ("regions", lambda c: c.regions.extend(find_regions(c.graph, c.dialects, _limit(c)))),   # elementwise/reduction regions: kernels wanted
     ("dispatch", lambda c: dispatch(c.graph, c.dialects, c.choices)),   # each node -> a dialect's kernel (measured: a choice)
 ]
 

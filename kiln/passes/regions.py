@@ -49,6 +49,7 @@ from kiln.ir import symbolic
 from kiln.ir.graph import Fused, Graph, Node, Value
 from kiln.ir.symbolic import evaluate, hint
 from kiln.ir.printer import Symbols, call_line
+from kiln.passes import memory
 from kiln.runtime.codegen import define, size_names
 from kiln.ops.registry import Cast, Kind, OpDef
 
@@ -151,14 +152,18 @@ def _strides(shape, stride) -> tuple:
     return tuple(st for st, n in zip(stride, shape) if n > 1)
 
 
-def find_regions(graph: Graph, names: tuple[str, ...]) -> list[Region]:
+def find_regions(graph: Graph, names: tuple[str, ...], limit: int | None = None) -> list[Region]:
     """Group and build the candidate regions of the first enabled region dialect, leaving the graph as it
     is: each region is a request for a kernel, which the step's tuner gives it after the passes (compiled,
-    measured or tried online: `tuning.Tuner.realize`); `place_regions` then swaps in those that got one."""
+    measured or tried online: `tuning.Tuner.realize`); `place_regions` then swaps in those that got one.
+    Under a memory budget (`limit`: bytes for the step's peak) a region that would hold its inputs past it
+    stays unfused (`memory.fused_within`)."""
     provider = registry.region_fusion(names)
     if provider is None:
         return []
     groups = group(graph, provider.accepts, provider.max_ops)
+    if limit is not None:
+        groups = memory.fused_within(graph, groups, limit)
     if not groups:
         return []
     users, live = graph.users(), graph.live_outputs()

@@ -45,10 +45,30 @@ class Recompute:
     views: list[Node]
     nbytes: int                     # bytes of its outputs the backward read
     flops: float
+    # producers of its inputs that nothing else reads, recomputed with it (a concatenation of row slices
+    # and the slices' projections: alone, recomputing the concatenation would keep every slice alive)
+    extra: list["Recompute"] = field(default_factory=list)
+
+    @property
+    def cost(self) -> float:
+        return self.flops + sum(e.flops for e in self.extra)
 
     def __str__(self) -> str:
         where = f" in {self.node.scope}" if self.node.scope else ""
-        return f"{self.node.op.name}{where}: {self.nbytes / 2**20:.1f} MiB recomputed for {self.flops / 1e6:.1f} MFLOP"
+        with_ = f" with the {len(self.extra)} op(s) making its inputs" if self.extra else ""
+        return (f"{self.node.op.name}{where}{with_}: {self.nbytes / 2**20:.1f} MiB recomputed for "
+                f"{self.cost / 1e6:.1f} MFLOP")
+
+
+def _expand(chosen: list[Recompute]) -> list[Recompute]:
+    """The decisions with the producers recomputed along with them, each node once."""
+    out, seen = [], set()
+    for r in chosen:
+        for x in [r, *r.extra]:
+            if x.node.uid not in seen:
+                seen.add(x.node.uid)
+                out.append(x)
+    return out
 
 
 @dataclass
@@ -63,10 +83,11 @@ class Plan:
     chosen: list[Recompute] = field(default_factory=list)
     outside: int = 0                # bytes of a byte budget the process holds beyond the step's tensors
     solver: str = "greedy"          # which found `chosen`: the greedy pass, or the covering program ("milp")
+    chunking: object = None         # the chunk pass's report (kiln.passes.chunk.Chunking): row slices used
 
     @property
     def extra_flops(self) -> float:
-        return sum(r.flops for r in self.chosen)
+        return _flops(self.chosen)
 
     @property
     def step_budget(self) -> int | None:
@@ -103,8 +124,37 @@ def candidates(graph: Graph) -> list[Recompute]:
             continue
         nbytes = sum(memory.hint(o.meta.nbytes) for o in n.outputs)
         out.append(Recompute(n, _needed(views, read), nbytes, symbolic.estimate(n.op.cost(n))))
-    out.sort(key=lambda r: (_RANK[r.node.op.kind], r.flops / max(r.nbytes, 1)))
+    out += [c for c in (_with_producers(r, users, live) for r in out) if c is not None]
+    out.sort(key=lambda r: (max(_RANK[x.node.op.kind] for x in [r, *r.extra]), r.cost / max(r.nbytes, 1)))
     return out
+
+
+def _with_producers(r: Recompute, users: dict, live: set, depth: int = 3) -> Recompute | None:
+    """`r` together with the forward ops making its inputs that nothing else reads, through views and up to
+    `depth` ops deep (None if there are none): rotary embeddings' inputs, views of a concatenation of row
+    slices, the slices' projections."""
+    mine = {x.uid for x in [r.node] + r.views}
+    extra: list[Recompute] = []
+    frontier = [r.node] + r.views
+    for _ in range(depth):
+        found = []
+        stack = [v for x in frontier for v in x.inputs]
+        while stack:
+            v = stack.pop()
+            p = v.producer
+            if p is None or p.uid in mine or p.phase is not Phase.FORWARD or p.op.side_effects or \
+                    any(o.meta is None or o in live for o in p.outputs) or \
+                    any(u.uid not in mine for o in p.outputs for u in users.get(o, ())):
+                continue
+            if memory.aliases(p):                   # a view: recomputed with what it views
+                mine.add(p.uid)
+                stack.extend(p.inputs)
+            elif p.op.kind in _RANK:
+                mine.add(p.uid)
+                found.append(p)
+        extra += [Recompute(p, [], 0, symbolic.estimate(p.op.cost(p))) for p in found]
+        frontier = found
+    return Recompute(r.node, r.views, r.nbytes, r.flops, extra) if extra else None
 
 
 def _needed(views: list[Node], read: list[Value]) -> list[Node]:
@@ -139,15 +189,19 @@ class _Model:
 
     def live(self, chosen: list[Recompute]) -> list[int]:
         """Bytes of the program's own values (and its kernels' temporaries) live at each node."""
+        chosen = _expand(chosen)
         dies = {id(b): b.dies for b in self.bufs}
         extra: list[tuple[int, int, int]] = []              # (born, dies, bytes) of recomputed copies
         point: dict[int, int] = {}                          # node uid -> where its copy is made
         mine = {id(self.owner[o]): r for r in chosen for o in r.node.outputs}
+        readers: dict[int, list[Recompute]] = {}           # buffer -> the chosen copies reading it
+        for q in chosen:
+            for b in {id(self.owner[v]) for x in [q.node] + q.views for v in x.inputs if v in self.owner}:
+                readers.setdefault(b, []).append(q)
         for r in sorted(chosen, key=lambda r: -self.pos[r.node.uid]):     # consumers first
             bufs = [self.owner[o] for o in r.node.outputs]
             first = min(i for b in bufs for i in self.bwd[id(b)]) if any(self.bwd[id(b)] for b in bufs) else self.n
-            later = [point[q.node.uid] for q in chosen if q.node.uid in point and
-                     any(self.owner.get(v) in bufs for x in [q.node] + q.views for v in x.inputs)]
+            later = [point[q.node.uid] for b in bufs for q in readers.get(id(b), ()) if q.node.uid in point]
             at = min([first] + later)
             point[r.node.uid] = at
             for b in bufs:
@@ -174,14 +228,15 @@ class _Model:
         return out
 
 
-def plan(graph: Graph, budget: int | float | None, outside: int = 0) -> Plan:
+def plan(graph: Graph, budget: int | float | None, outside: int = 0, reference: int | None = None) -> Plan:
     """Which forward nodes to recompute so that the predicted peak fits `budget`: bytes (an int) for the
     whole process, of which it holds `outside` beyond the step's tensors; a fraction of the step's peak
-    without rematerialization (a float); or None (no budget: nothing recomputed)."""
+    without rematerialization (a float; of `reference` where given: the unchunked program's); or None (no
+    budget: nothing recomputed)."""
     model = _Model(graph)
     before = model.prof.peak
     if isinstance(budget, float):
-        budget, outside = int(budget * before), 0
+        budget, outside = int(budget * (reference or before)), 0
     result = Plan(budget, before, before, before, model.prof.persistent, outside=outside if budget else 0)
     if budget is None or before <= result.step_budget:
         return result
@@ -203,7 +258,7 @@ def plan(graph: Graph, budget: int | float | None, outside: int = 0) -> Plan:
 
 
 def _flops(chosen: list[Recompute]) -> float:
-    return sum(r.flops for r in chosen)
+    return sum(r.flops for r in _expand(chosen))
 
 
 def _greedy(model: _Model, cands: list[Recompute], chosen: list[Recompute], peak: int,
@@ -225,7 +280,7 @@ def _greedy(model: _Model, cands: list[Recompute], chosen: list[Recompute], peak
 def _prune(model: _Model, chosen: list[Recompute], budget: int) -> tuple[list[Recompute], int]:
     """Drop the decisions the budget no longer needs, costliest first."""
     peak = model.peak(chosen)
-    for c in sorted(chosen, key=lambda r: -r.flops):
+    for c in sorted(chosen, key=lambda r: -r.cost):
         rest = [r for r in chosen if r is not c]
         trial = model.peak(rest)
         if trial <= budget:
@@ -261,7 +316,7 @@ def _cheapest_cover(model: _Model, cands: list[Recompute], budget: int) -> list[
     # rows: the nodes over the budget (identical rows once); units of MiB keep the numbers well scaled
     rows = np.unique(np.column_stack(columns + [excess[over]]) / 2 ** 20, axis=0)
     a, need = rows[:, :-1], rows[:, -1]
-    cost = np.array([c.flops for c in useful]) / 1e9 + 1e-3          # GFLOP, and a little per decision
+    cost = np.array([c.cost for c in useful]) / 1e9 + 1e-3           # GFLOP, and a little per decision
     res = milp(cost, constraints=LinearConstraint(a, lb=need, ub=np.inf), integrality=np.ones(len(useful)),
                bounds=Bounds(0, 1), options={"time_limit": SOLVER_SECONDS})
     if res.x is None:
@@ -272,7 +327,7 @@ def _cheapest_cover(model: _Model, cands: list[Recompute], budget: int) -> list[
 def apply(graph: Graph, chosen: list[Recompute]) -> int:
     """Rewrite the graph: each chosen node (and the views the backward reads) is copied into the backward
     right before its first use there, and backward reads take the copy. Returns the nodes added."""
-    todo = {x.uid: x for r in chosen for x in [r.node] + r.views}
+    todo = {x.uid: x for r in _expand(chosen) for x in [r.node] + r.views}
     copies: dict[Value, Value] = {}
     out: list[Node] = []
 
@@ -310,19 +365,32 @@ def apply(graph: Graph, chosen: list[Recompute]) -> int:
     return added
 
 
-def rematerialize(graph: Graph, budget: int | float | None, outside: int = 0, amp: bool = False) -> Plan:
-    """`plan` and `apply`; a budget the plan cannot meet raises, naming the smallest peak reachable (and,
-    without `amp` on, suggesting it)."""
-    result = plan(graph, budget, outside)
+class BudgetUnmet(KilnError):
+    """A budget no plan meets; `plan.floor` is the smallest peak reached. The step compiles again with the
+    forward's row-wise blocks in slices while that lowers the floor (kiln/passes/chunk.py)."""
+
+    def __init__(self, message: str, plan: Plan, chunking=None):
+        super().__init__(message)
+        self.plan, self.chunking = plan, chunking
+
+
+def rematerialize(graph: Graph, budget: int | float | None, outside: int = 0, amp: bool = False,
+                  reference: int | None = None, chunking=None) -> Plan:
+    """`plan` and `apply`; a budget the plan cannot meet raises `BudgetUnmet`, naming the smallest peak
+    reachable (and, without `amp` on, suggesting it). A fractional budget is of `reference` where given."""
+    result = plan(graph, budget, outside, reference)
+    result.chunking = chunking
     if result.budget is not None and result.after > result.step_budget:
         held = (f"; the process holds {_size(result.outside)} besides (torch, the model's Python side, other "
                 f"tensors), which the budget covers too, so the budget must be at least "
                 f"{_size(result.floor + result.outside)}") if result.outside else ""
-        raise KilnError(
+        sliced = (f", with the forward's row-wise blocks in {chunking.chunks} slices of rows"
+                  if chunking is not None and chunking.chunks > 1 else "")
+        raise BudgetUnmet(
             f"memory_budget of {_size(result.budget)} cannot be met: the smallest predicted peak Kiln reaches for "
-            f"this batch is {_size(result.floor)} ({_size(result.persistent)} of it parameters, optimizer state, "
-            f"buffers and the batch; {_size(result.before)} without rematerialization){held}. Give a larger "
-            "budget" + (" or a smaller batch" if amp else ", a smaller batch, or amp='bf16'"))
+            f"this batch is {_size(result.floor)}{sliced} ({_size(result.persistent)} of it parameters, optimizer "
+            f"state, buffers and the batch; {_size(reference or result.before)} without rematerialization){held}. "
+            "Give a larger budget" + (" or a smaller batch" if amp else ", a smaller batch, or amp='bf16'"), result, chunking)
     if result.chosen:
         apply(graph, result.chosen)
     return result

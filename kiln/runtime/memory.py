@@ -83,6 +83,7 @@ class MemoryReport:
     recomputed: list[str] = field(default_factory=list)
     extra_flops: float = 0.0
     solver: str = ""                     # what chose the recomputed ops: "greedy" or "milp"
+    sliced: str = ""                     # row slices the budget needed (kiln/passes/chunk.py), or ""
     reordered: tuple[int, int, int] | None = None     # backward nodes moved, predicted peak before and after
     measured_peak: int | None = None     # persistent + the allocator's largest transient total on a replay
     measured_at: str | None = None
@@ -105,6 +106,8 @@ class MemoryReport:
                          f"be {(self.unconstrained or 0) / MIB:.1f} MiB; {len(self.recomputed)} op(s) recomputed in "
                          f"the backward for {self.extra_flops / 1e9:.2f} GFLOP more per step"
                          + (f" (chosen by the {_SOLVERS.get(self.solver, self.solver)})" if self.recomputed else ""))
+            if self.sliced:
+                lines.append(f"  sliced: {self.sliced}")
             lines += [f"  recomputed: {r}" for r in self.recomputed]
         if self.reordered:
             moved, before, after = self.reordered
@@ -150,6 +153,7 @@ def report(prog, plan=None, measured: list[int] | None = None, top: int = 8) -> 
         rep.recomputed = [str(r) for r in plan.chosen]
         rep.extra_flops = plan.extra_flops
         rep.solver = plan.solver
+        rep.sliced = str(plan.chunking or "")
     if measured is not None:
         i = max(range(len(measured)), key=measured.__getitem__)
         rep.measured_peak, rep.measured_at = prof.persistent + measured[i], _where(g, i)
