@@ -198,6 +198,7 @@ class _Model:
         for q in chosen:
             for b in {id(self.owner[v]) for x in [q.node] + q.views for v in x.inputs if v in self.owner}:
                 readers.setdefault(b, []).append(q)
+        made: dict[int, list[tuple[Recompute, object, int]]] = {}   # point -> (copy, buffer, its last use)
         for r in sorted(chosen, key=lambda r: -self.pos[r.node.uid]):     # consumers first
             bufs = [self.owner[o] for o in r.node.outputs]
             first = min(i for b in bufs for i in self.bwd[id(b)]) if any(self.bwd[id(b)] for b in bufs) else self.n
@@ -206,8 +207,9 @@ class _Model:
             point[r.node.uid] = at
             for b in bufs:
                 dies[id(b)] = self.fwd_last[id(b)]
-                last = max(self.bwd[id(b)] + later + [at])
-                extra.append((at, last, b.nbytes))
+                made.setdefault(at, []).append((r, b, max(self.bwd[id(b)] + later + [at])))
+        for at, items in made.items():
+            extra += self._at_point(at, items, readers, point)
         for r in chosen:                                    # inputs must live until the copy is made
             for x in [r.node] + r.views:
                 for v in x.inputs:
@@ -225,6 +227,29 @@ class _Model:
         for i in range(self.n):
             cur += delta[i]
             out.append(cur + self.prof.workspace[i])
+        return out
+
+    def _at_point(self, at: int, items: list, readers: dict, point: dict) -> list[tuple[int, int, int]]:
+        """(born, dies, bytes) of the copies made before node `at`. The generated step makes them one after
+        the other (producers first) and frees a copy read only by later copies there once they are made, so
+        the bytes at `at` are the most the sequence holds at once, not the sum of everything it makes."""
+        out = [(at + 1, last, b.nbytes) for r, b, last in items if last > at]
+        short = {id(b): b for r, b, last in items if last == at and at not in self.bwd[id(b)]}
+        pending = {k: {q.node.uid for q in readers.get(k, ()) if point.get(q.node.uid) == at} for k in short}
+        cur = most = 0
+        made = set()
+        for r in sorted(dict.fromkeys(r for r, _, _ in items), key=lambda r: self.pos[r.node.uid]):
+            for q, b, _ in items:
+                if q is r:
+                    cur += b.nbytes
+                    made.add(id(b))
+            most = max(most, cur)
+            for k in [k for k in pending if k in made]:
+                pending[k].discard(r.node.uid)
+                if not pending[k]:
+                    cur -= short[k].nbytes
+                    del pending[k]
+        out.append((at, at, most))
         return out
 
 
