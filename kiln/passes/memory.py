@@ -162,10 +162,12 @@ def peak_expr(graph: Graph):
 
 
 def fused_within(graph: Graph, groups: list[list[Node]], limit: int) -> list[list[Node]]:
-    """The groups of ops to fuse (regions, each run where its last op is) whose placement keeps the predicted
-    peak within `limit` bytes. A region holds what it reads from outside until its place, which can outlive
-    the value's last reader before (a chain of sums waits for its last addend: every addend is then live
-    at once). Greedy in program order: a group that would push the peak past the limit stays unfused."""
+    """The groups of ops to fuse (regions) whose placement keeps the predicted peak within `limit` bytes. A
+    region node runs as soon as what it reads exists, no earlier than its first op (kiln/passes/regions.py
+    `_replace`): its outputs are then made there, which can be long before their op was (the casts of every
+    layer's weights, made at the first), and what it reads from outside lives until then, which can outlive
+    the value's last reader before (a chain of sums waits for its last addend: every addend is then live at
+    once). Greedy in program order: a group that would push the peak past the limit stays unfused."""
     prof = profile(graph)
     pos = {n.uid: i for i, n in enumerate(graph.nodes)}
     owner = {v: b for b in prof.buffers for v in b.values}
@@ -175,23 +177,29 @@ def fused_within(graph: Graph, groups: list[list[Node]], limit: int) -> list[lis
     kept = []
     for nodes in groups:
         inside = {x.uid for x in nodes}
-        place = max(pos[x.uid] for x in nodes)
-        extra = [0] * (place + 1)
+        ins = [v for x in nodes for v in x.inputs if v.producer is None or v.producer.uid not in inside]
+        place = max([pos[nodes[0].uid]] + [pos[v.producer.uid] + 1 for v in ins if v.producer is not None])
+        extra: dict[int, int] = {}
         held: dict[int, Buffer] = {}
-        for x in nodes:
-            for v in x.inputs:
-                b = owner.get(v)
-                if b is None or b.persistent or id(b) in held or (v.producer is not None and v.producer.uid in inside):
-                    continue
-                end = dies.get(id(b), b.dies)
-                if end < place:
-                    held[id(b)] = b
-                    for j in range(end + 1, place + 1):
-                        extra[j] += b.nbytes
-        if held and any(live[j] + extra[j] > cap for j in range(place + 1) if extra[j]):
+        for v in ins:                               # read from outside: held until the place
+            b = owner.get(v)
+            if b is None or b.persistent or id(b) in held:
+                continue
+            end = dies.get(id(b), b.dies)
+            if end < place:
+                held[id(b)] = b
+                for j in range(end + 1, place + 1):
+                    extra[j] = extra.get(j, 0) + b.nbytes
+        for x in nodes:                             # made at the place, before their op's own position
+            for o in x.outputs:
+                b = owner.get(o)
+                if b is not None and b.owner is o and b.born > place:
+                    for j in range(place, b.born):
+                        extra[j] = extra.get(j, 0) + b.nbytes
+        if any(live[j] + add > cap for j, add in extra.items()):
             continue
-        for j in range(place + 1):
-            live[j] += extra[j]
+        for j, add in extra.items():
+            live[j] += add
         for k in held:
             dies[k] = place
         kept.append(nodes)
