@@ -163,7 +163,7 @@ def find_regions(graph: Graph, names: tuple[str, ...], limit: int | None = None)
         return []
     groups = group(graph, provider.accepts, provider.max_ops)
     if limit is not None:
-        groups = memory.fused_within(graph, groups, limit)
+        groups = _within(graph, memory.fused_within(graph, groups, limit), limit)
     if not groups:
         return []
     users, live = graph.users(), graph.live_outputs()
@@ -370,18 +370,25 @@ def reference_function(nodes: list[Node], inputs: list[Value], outputs: list[Val
 
 def _replace(graph: Graph, regions: list[Region], provider: registry.RegionFusion) -> None:
     """Swap each region's ops for one node, in an order where every value is computed before its use
-    (a stable topological sort keyed by the original positions; a region takes its earliest op's)."""
-    unit: dict[int, object] = {}                # node uid -> the unit it runs in (itself or its region)
+    (`_placed`)."""
+    units: dict[int, Node] = {}
     for r in regions:
         node = Node(REGION_OP, r, tuple(r.size_args) + tuple(r.inputs), {}, list(r.outputs), r.nodes[-1].phase,
                     _common_scope(r.nodes),
                     fused=Fused(provider.label, r.ops))
         r.impl = node.impl = registry.Impl(provider.dialect, r, kernel=r, name="region", fallback=False)
         for x in r.nodes:
-            unit[x.uid] = node
+            units[x.uid] = node
         for o in r.outputs:
             o.producer = node
-    units = list(dict.fromkeys(unit.get(n.uid, n) for n in graph.nodes))
+    graph.nodes = _placed(graph.nodes, units)
+
+
+def _placed(nodes: list[Node], unit: dict[int, Node]) -> list[Node]:
+    """The program with each node in `unit` replaced by its unit (a region's node), in a stable topological
+    order keyed by the original positions (a region takes its earliest op's): a region runs as soon as what
+    it reads exists, no earlier than its first op."""
+    units = list(dict.fromkeys(unit.get(n.uid, n) for n in nodes))
     rank = {id(u): k for k, u in enumerate(units)}
     producer = {o.uid: u for u in units for o in u.outputs}
     deps = {id(u): {id(producer[v.uid]) for v in u.inputs if v.uid in producer} - {id(u)} for u in units}
@@ -402,7 +409,43 @@ def _replace(graph: Graph, regions: list[Region], provider: registry.RegionFusio
                 heapq.heappush(ready, (rank[id(c)], id(c), c))
     if len(order) != len(units):      # cannot happen if grouping kept its invariant; never emit a bad graph
         raise AssertionError("region fusion produced a cycle")
-    graph.nodes = order
+    return order
+
+
+def _within(graph: Graph, groups: list[list[Node]], limit: int) -> list[list[Node]]:
+    """The groups whose placement (`_placed`, as `place_regions` will do it) keeps the predicted peak within
+    `limit` bytes: each round profiles the placed program and leaves unfused the groups that make or read a
+    value live at its peak, until it fits (`memory.fused_within` has already left out the groups that
+    plainly would not)."""
+    users, live = graph.users(), graph.live_outputs()
+    while groups:
+        unit, made = {}, {}
+        for k, nodes in enumerate(groups):
+            inside = {x.uid for x in nodes}
+            ins = list(dict.fromkeys(v for x in nodes for v in x.inputs
+                                     if v.producer is None or v.producer.uid not in inside))
+            outs = [o for x in nodes for o in x.outputs
+                    if o in live or any(u.uid not in inside for u in users.get(o, ()))]
+            node = Node(REGION_OP, None, tuple(ins), {}, outs, nodes[-1].phase)
+            made[node.uid] = k
+            for x in nodes:
+                unit[x.uid] = node
+        trial = Graph()
+        trial.inputs, trial.outputs, trial.mutations = graph.inputs, graph.outputs, graph.mutations
+        trial.nodes = _placed(graph.nodes, unit)
+        prof = memory.profile(trial)
+        if prof.peak <= limit:
+            return groups
+        at = trial.nodes[prof.at]
+        culprits = {made[at.uid]} if at.uid in made else set()
+        for b in prof.live_at(prof.at):
+            for x in trial.nodes:
+                if x.uid in made and (any(o in b.values for o in x.outputs) or any(v in b.values for v in x.inputs)):
+                    culprits.add(made[x.uid])
+        if not culprits:
+            return []
+        groups = [g for k, g in enumerate(groups) if k not in culprits]
+    return groups
 
 
 def _common_scope(nodes: list[Node]) -> str:

@@ -374,3 +374,34 @@ def test_the_shipped_op_table_is_what_inductor_says():
         pytest.skip(f"the table is for torch {table['torch']}; regenerate it with "
                     "`python -m kiln.dialects.inductor --write-op-table`")
     assert table == inductor.op_table()
+
+
+# ---- under a memory budget ---------------------------------------------------------------------------
+def _sum_of_products():
+    """Four products made one after the other, each summed as it comes (the slices' partial weight gradients):
+    one region of the adds runs after the last product, so it would hold all four at once."""
+    g, b, (x, w) = graph_with_inputs(torch.randn(256, 64), torch.randn(64, 256))
+    acc = None
+    for _ in range(4):
+        p = b(aten.mm.default, x, w)                # 256 x 256 fp32: 256 KiB each
+        acc = p if acc is None else b(aten.add.Tensor, acc, p)
+    g.outputs = [b(aten.sum.default, acc)]
+    return g
+
+
+def test_a_region_that_would_hold_its_inputs_past_the_budget_stays_unfused():
+    from kiln.passes import memory
+    g = _sum_of_products()
+    free = regions_pass.find_regions(g, NAMES)
+    assert any(len(r.nodes) >= 3 for r in free)     # unconstrained: the adds are one region
+    peak = memory.profile(g).peak
+    limited = regions_pass.find_regions(g, NAMES, limit=peak)
+    held = [r for r in limited if sum(x.op.name == "aten.add.Tensor" for x in r.nodes) >= 2]
+    assert not held, [r.ops for r in limited]
+    unit = {}                                       # what is left, placed, stays within the limit
+    for r in limited:
+        node = regions_pass.Node(regions_pass.REGION_OP, None, tuple(r.inputs), {}, list(r.outputs), Phase.FORWARD)
+        unit.update({x.uid: node for x in r.nodes})
+    trial = type(g)()
+    trial.inputs, trial.outputs, trial.nodes = g.inputs, g.outputs, regions_pass._placed(g.nodes, unit)
+    assert memory.profile(trial).peak <= peak
