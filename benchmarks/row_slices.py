@@ -28,22 +28,22 @@ import step_compare  # noqa: E402  (the bench models' configs)
 
 import kiln  # noqa: E402
 from kiln.passes import remat  # noqa: E402
-from kiln.runtime import step as kiln_step  # noqa: E402
+from kiln.passes import chunk  # noqa: E402
 
 MIB = 2 ** 20
 
 
 def _floor(model, ids, amp, slices: bool) -> tuple[int, int]:
     """(the unconstrained predicted peak, the smallest peak reached) as the remat pass sees them."""
-    saved = kiln_step.CHUNKS
+    saved = chunk.CHUNKS
     if not slices:
-        kiln_step.CHUNKS = ()
+        chunk.CHUNKS = ()
     try:
         kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-4), amp=amp, memory_budget=1e-6)(input_ids=ids, labels=ids)
     except remat.BudgetUnmet as e:
         return e.plan.before, e.plan.floor
     finally:
-        kiln_step.CHUNKS = saved
+        chunk.CHUNKS = saved
     raise AssertionError("a budget of a millionth of the peak was met")
 
 

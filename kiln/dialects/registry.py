@@ -309,6 +309,7 @@ def _load() -> None:
     from kiln.dialects import upcast  # noqa: F401  (low precision on CPUs without it)
     from kiln.dialects import inductor  # noqa: F401  (fused regions compiled by Inductor)
     from kiln.dialects import onednn  # noqa: F401  (oneDNN linear where measured faster)
+    from kiln.dialects import attention  # noqa: F401  (attention's backward by measurement)
 
 
 _ensure_loaded = Once(_load)

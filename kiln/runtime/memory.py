@@ -18,6 +18,7 @@ import functools
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 from kiln.errors import KilnError
 from kiln.ir.symbolic import hint
@@ -26,6 +27,7 @@ from kiln.passes import memory as model
 log = logging.getLogger("kiln")
 
 MIB = 2 ** 20
+T = TypeVar("T")
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
@@ -284,3 +286,25 @@ class HeapBudget:
                  plan.outside / MIB, plan.budget / MIB)
         return (f"re-planned for memory_budget: the process held {held / MIB:.0f} MiB beyond the step's tensors after "
                 f"the first step, {plan.outside / MIB:.0f} MiB when compiling")
+
+
+def in_slices(attempt: Callable[[int, int | None], T]) -> T:
+    """`attempt(chunks, reference)` (a capture and the pipeline) with no row slices, then, while its budget is
+    not met (`remat.BudgetUnmet`) and the graph has row-wise blocks, with 2, 4, 8, 16 (`chunk.CHUNKS`: 2 may
+    not lower the peak where 4 do). `reference` is the unsliced program's unconstrained peak, of which a
+    fractional budget stays a fraction. If none meets it, the error of the smallest peak reached is raised."""
+    from kiln.passes.chunk import CHUNKS
+    from kiln.passes.remat import BudgetUnmet
+    reference, best = None, None
+    for chunks in (1, *CHUNKS):
+        try:
+            return attempt(chunks, reference)
+        except BudgetUnmet as e:
+            best = e if best is None or e.plan.floor < best.plan.floor else best
+            if e.chunking is None or not e.chunking.blocks:
+                raise best from None
+            reference = reference or e.plan.before
+            log.info("kiln: memory_budget not met with %s; compiling again with row-wise blocks in slices "
+                     "(smallest peak so far %.0f MiB)", f"{chunks} slice(s)" if chunks > 1 else "recomputation",
+                     e.plan.floor / MIB)
+    raise best

@@ -20,8 +20,6 @@ from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Role
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
-from kiln.passes.chunk import CHUNKS
-from kiln.passes.remat import BudgetUnmet
 from kiln.passes.pipeline import ACCUM_STATE, AFTER_TUNING, AMP_STATE, METRICS, Context, run_pipeline
 from kiln.runtime import checkpoint, heap, memory, shapes
 from kiln.runtime.codegen import generate
@@ -421,30 +419,18 @@ class CompiledStep:
         return prog
 
     def _passes(self, args, kwargs, names, dims):
-        """Capture and the pipeline. A budget rematerialization alone cannot meet compiles again with the
-        forward's row-wise blocks in more and more row slices (`chunk.CHUNKS`: 2 slices may not lower the
-        peak where 4 do); if none meets it, the error of the smallest peak reached is raised."""
-        reference, best = None, None
-        for chunks in (1, *CHUNKS):
+        """Capture and the pipeline, again with row slices while a budget is not met (`memory.in_slices`)."""
+        def attempt(chunks: int, reference: int | None):
             graph, constants = capture(self.model, self.loss_fn, args, kwargs, dims)
             env = symbolic.shape_env([v.meta.shape for v in graph.inputs if v.meta is not None])
             guards_before = len(env.guards) if env is not None else 0
-            try:
-                ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
-                                           nonfinite=self.nonfinite, memory_budget=self.memory_budget,
-                                           heap_outside=self._heap_outside(args, kwargs, constants),
-                                           parallel=self.parallel, accumulate=self.accumulate,
-                                           update=self._update_now, chunks=chunks, peak_reference=reference))
-                return ctx, constants, env, guards_before
-            except BudgetUnmet as e:
-                best = e if best is None or e.plan.floor < best.plan.floor else best
-                if e.chunking is None or not e.chunking.blocks:
-                    raise best from None
-                reference = reference or e.plan.before
-                log.info("kiln: memory_budget not met with %s; compiling again with row-wise blocks in slices "
-                         "(smallest peak so far %.0f MiB)", f"{chunks} slice(s)" if chunks > 1 else "recomputation",
-                         e.plan.floor / 2**20)
-        raise best
+            ctx = run_pipeline(Context(graph, self.optimizer, names, amp=self.amp, verify=self.verify,
+                                       nonfinite=self.nonfinite, memory_budget=self.memory_budget,
+                                       heap_outside=self._heap_outside(args, kwargs, constants),
+                                       parallel=self.parallel, accumulate=self.accumulate,
+                                       update=self._update_now, chunks=chunks, peak_reference=reference))
+            return ctx, constants, env, guards_before
+        return memory.in_slices(attempt)
 
     def _heap_outside(self, args, kwargs, constants) -> int:
         """Under a byte budget: what the process holds beyond the tensors the step's prediction counts, with

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import kiln
 from kiln.passes import remat
-from kiln.runtime import step as kiln_step
+from kiln.passes import chunk as chunk_pass
 from kiln.passes.chunk import chunk_rows, find_blocks
 from kiln.runtime.memory import allocated
 from tests.models import zoo
@@ -27,13 +27,13 @@ def _floor(model, *args, amp=None, optimizer=None, **kwargs) -> tuple[int, int]:
     """(the unconstrained predicted peak, the smallest peak rematerialization reaches without row slices),
     as the remat pass sees them: from the error of a budget nothing meets, slices switched off."""
     step = kiln.compile(copy.deepcopy(model), optimizer=optimizer or _sgd(), amp=amp, memory_budget=1e-6)
-    saved = kiln_step.CHUNKS
-    kiln_step.CHUNKS = ()
+    saved = chunk_pass.CHUNKS
+    chunk_pass.CHUNKS = ()
     try:
         with pytest.raises(remat.BudgetUnmet) as e:
             step(*args, **kwargs)
     finally:
-        kiln_step.CHUNKS = saved
+        chunk_pass.CHUNKS = saved
     return e.value.plan.before, e.value.plan.floor
 
 
