@@ -70,10 +70,10 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
             mg, lg = (None if mask is None else mask[sl]), lse[sl].contiguous()
             if lib is not None:
                 p = torch.empty(scores.shape, dtype=q.dtype)
-                g, rows = scores.shape[0], scores.shape[0] * t        # row r: head r // t of the group, query r % t
+                rows = scores.shape[0] * t              # row r: head r // t of the group, query r % t
                 native.check(lib.kiln_attn_probs(
-                    native.ptr(scores), native.ptr(p), native.code(p), native.ptr(lg), native.ptr(mg), 0,
-                    mg.stride(0) if mg is not None else 0, mg.stride(1) if mg is not None else 0, g, t, 0, rows, s,
+                    native.ptr(scores), native.ptr(p), native.code(p), native.ptr(lg), native.ptr(mg),
+                    mg.stride(0) if mg is not None else 0, mg.stride(1) if mg is not None else 0, t, rows, s,
                     scale, native.threads()), "attention probabilities")
                 torch.bmm(p.transpose(1, 2), gg, out=dv[sl])
                 dp = torch.bmm(gf, vg.float().transpose(1, 2), out=scores)

@@ -524,15 +524,13 @@ int kiln_ce_backward(const void *x, int dt, int64_t xs, const int64_t *labels, i
 }
 
 /* ---- attention backward from the forward's log-sum-exp (kiln/kernels/attention.py) ------------------
- * A block of `rows` query rows of attention, row r being query i = r % tq of head-pair bh = bh0 + r / tq
- * (b = bh / heads, h = bh % heads). s: the fp32 scores q.k (rows x cols, dense), overwritten.
- * Probabilities: p[r, j] = exp(s[r, j] * scale + mask[b, h, i, j] - lse[r]) in dt (mask fp32 with element
- * strides mb, mh, mi and a dense last dim, or NULL; a row whose lse is -inf, all masked, gets 0).
+ * A group of heads' query rows, row r being query i = r % tq of head h = r / tq. s: the fp32 scores q.k
+ * (rows x cols, dense). Probabilities: p[r, j] = exp(s[r, j] * scale + mask[h, i, j] - lse[r]) in dt (mask
+ * fp32 with element strides mh, mi and a dense last dim, or NULL; a row whose lse is -inf, all masked, gets 0).
  * Score gradients: given dp = dO.v^T (fp32, in s's place) and delta[r] = sum_d dO[r, d] * O[r, d],
  * ds[r, j] = p[r, j] * (dp[r, j] - delta[r]) * scale, in dt, written over p. */
-int kiln_attn_probs(const float *s, void *p, int dt, const float *lse, const float *mask, int64_t mb, int64_t mh,
-                    int64_t mi, int64_t heads, int64_t tq, int64_t bh0, int64_t rows, int64_t cols, double scale,
-                    int threads) {
+int kiln_attn_probs(const float *s, void *p, int dt, const float *lse, const float *mask, int64_t mh, int64_t mi,
+                    int64_t tq, int64_t rows, int64_t cols, double scale, int threads) {
     float sc = (float)scale;
 #pragma omp parallel num_threads(threads)
     {
@@ -544,8 +542,7 @@ int kiln_attn_probs(const float *s, void *p, int dt, const float *lse, const flo
             if (l == -INFINITY) {
                 for (int64_t j = 0; j < cols; j++) buf[j] = 0.0f;
             } else if (mask) {
-                int64_t bh = bh0 + r / tq, i = r % tq;
-                const float *mr = mask + (bh / heads) * mb + (bh % heads) * mh + i * mi;
+                const float *mr = mask + (r / tq) * mh + (r % tq) * mi;
 #pragma omp simd
                 for (int64_t j = 0; j < cols; j++) buf[j] = exp_or_zero(sr[j] * sc + mr[j] - l);
             } else {

@@ -20,7 +20,9 @@ residual add) cut it into stages, each run as a unit where its last op was, so t
 
 Autodiff then differentiates each slice on its own (the weights' gradients are the sum over slices), and
 the remat pass sees one slice's intermediates at a time: recomputing a slice's MLP in the backward needs
-that slice's memory only. Nothing changes numerically but the order of the weight gradients' sums.
+that slice's memory only. What changes numerically is the order of sums: the weights' gradients are summed
+over slices (in bf16, each slice's gradient of a bf16 weight copy is rounded before the sum), and the fused
+loss sums over smaller chunks.
 
 The pass does nothing unless a step's budget needs it: `CompiledStep` compiles again with 2, 4, 8, 16
 slices while the remat pass cannot meet the budget (`CHUNKS`). Symbolic sizes are left whole.

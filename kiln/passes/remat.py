@@ -16,10 +16,11 @@ fits; then decisions that are no longer needed are dropped, costliest first. A c
 measured alone on the model, cover the excess over the budget at every node; its set is checked on the
 model (candidates interact), completed greedily, pruned, and kept where it costs fewer FLOPs than the
 greedy plan. Without scipy, or when the program finds nothing in time, the greedy plan stands.
-Random ops (dropout) are never recomputed: their outputs are kept (so recomputing what follows them reuses the same random numbers), as
-are ops with side effects, opaque fallbacks and anything the optimizer reads. `apply()` rewrites the
-graph: the copies are ordinary backward nodes (their module path kept), so the generated code shows each
-recomputation where it runs, and the later passes fuse recomputed elementwise ops into backward regions.
+Random ops (dropout) are never recomputed: their outputs are kept (so recomputing what follows them reuses
+the same random numbers), as are ops with side effects, opaque fallbacks and anything the optimizer reads.
+`apply()` rewrites the graph: the copies are ordinary backward nodes (their module path kept), so the
+generated code shows each recomputation where it runs, and the later passes fuse recomputed elementwise ops
+into backward regions.
 """
 from __future__ import annotations
 
@@ -394,9 +395,9 @@ class BudgetUnmet(KilnError):
     """A budget no plan meets; `plan.floor` is the smallest peak reached. The step compiles again with the
     forward's row-wise blocks in slices while that lowers the floor (kiln/passes/chunk.py)."""
 
-    def __init__(self, message: str, plan: Plan, chunking=None):
+    def __init__(self, message: str, plan: Plan):
         super().__init__(message)
-        self.plan, self.chunking = plan, chunking
+        self.plan = plan
 
 
 def rematerialize(graph: Graph, budget: int | float | None, outside: int = 0, amp: bool = False,
@@ -415,7 +416,7 @@ def rematerialize(graph: Graph, budget: int | float | None, outside: int = 0, am
             f"memory_budget of {_size(result.budget)} cannot be met: the smallest predicted peak Kiln reaches for "
             f"this batch is {_size(result.floor)}{sliced} ({_size(result.persistent)} of it parameters, optimizer "
             f"state, buffers and the batch; {_size(reference or result.before)} without rematerialization){held}. "
-            "Give a larger budget" + (" or a smaller batch" if amp else ", a smaller batch, or amp='bf16'"), result, chunking)
+            "Give a larger budget" + (" or a smaller batch" if amp else ", a smaller batch, or amp='bf16'"), result)
     if result.chosen:
         apply(graph, result.chosen)
     return result

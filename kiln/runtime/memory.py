@@ -301,7 +301,7 @@ def in_slices(attempt: Callable[[int, int | None], T]) -> T:
             return attempt(chunks, reference)
         except BudgetUnmet as e:
             best = e if best is None or e.plan.floor < best.plan.floor else best
-            if e.chunking is None or not e.chunking.blocks:
+            if e.plan.chunking is None or not e.plan.chunking.blocks:
                 raise best from None
             reference = reference or e.plan.before
             log.info("kiln: memory_budget not met with %s; compiling again with row-wise blocks in slices "
