@@ -1,16 +1,19 @@
-"""The `attention` dialect: attention's backward by measurement, per shape, on CPU.
+"""The `attention` dialect: attention's forward and backward by measurement, per shape, on CPU.
 
-ATen's CPU flash-attention backward is one of several ways to compute the same gradients, and which is
-fastest depends on the dtype and the shape (the Xeon of docs/bf16.md, bf16, B8 H8 d64: the flash backward
-takes 13.7 ms at 128 tokens where it takes 3.7 ms on fp32 copies; at 1024 tokens bf16 flash is the fastest).
-This dialect, ranked just before `sdpa`, offers two measured alternatives for the backward node; the step's
-tuner times each against ATen's kernel on the node's shapes once per machine and keeps it only where it is
-faster (`kiln.dialects.measure`), in this order (the first kept wins):
-- `math_backward`: the gradients from the forward's log-sum-exp on matrix products and two native row passes
-  (kiln/kernels/attention.py); in the bench models' bf16 steps 13.5-14 ms a layer against flash's 16-18;
-- `flash_fp32`: the same flash backward on fp32 copies of half-type inputs, gradients rounded once (where the
-  first loses: long sequences).
-KILN_DIALECTS=-attention (or `dialects=` without it) leaves the flash backward as it is.
+ATen's CPU flash-attention kernels are one of several ways to compute attention, and which is fastest depends
+on the dtype, the shape and the CPU (the Xeon of docs/bf16.md, bf16, B8 H8 T256 d64: flash takes 7.6 ms
+forward and 16.2 backward, the products below 3.3 and 5.7; at 1024 tokens flash is the fastest). This dialect,
+ranked just before `sdpa`, offers measured alternatives; the step's tuner times each against ATen's kernel on
+the node's shapes once per machine and keeps it only where it is faster (`kiln.dialects.measure`), in this
+order (the first kept wins):
+- forward, `math_forward`: the output and its log-sum-exp on matrix products and a native softmax pass
+  (kiln/kernels/attention.py), in the flash kernel's layouts;
+- backward, `math_backward`: the gradients from the forward's log-sum-exp on matrix products and two native
+  row passes;
+- backward, `flash_fp32`: the same flash backward on fp32 copies of half-type inputs, gradients rounded once
+  (where the first loses: long sequences).
+Forward and backward are chosen apart: either forward's output and log-sum-exp feed either backward.
+KILN_DIALECTS=-attention (or `dialects=` without it) leaves the flash kernels as they are.
 """
 from __future__ import annotations
 
@@ -19,19 +22,27 @@ import torch
 from kiln.dialects.registry import dialect, kernel
 from kiln.dialects.sdpa import flash_backward
 from kiln.dialects.upcast import upcast_kernel
-from kiln.kernels.attention import flash_backward_math
+from kiln.kernels.attention import flash_backward_math, flash_forward_math
 
 aten = torch.ops.aten
+FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
 BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 ATTENTION = dialect("attention", priority=11, devices=("cpu",),
-                    doc="attention's backward chosen per shape by measurement: flash on fp32 copies, or from the "
-                        "log-sum-exp on matrix products, where faster than the flash backward here")
+                    doc="attention's forward and backward chosen per shape by measurement: on matrix products and "
+                        "native row passes (or the flash backward on fp32 copies), where faster than the flash "
+                        "kernels here")
 
 
 def _backward_ok(n) -> bool:
     """No dropout and a 4-d query (the flash backward's contract)."""
     q, p = n.args[1], n.args[6] if len(n.args) > 6 else 0.0
+    return q.meta is not None and len(q.meta.shape) == 4 and not p
+
+
+def _forward_ok(n) -> bool:
+    """No dropout and a 4-d query (the flash forward's contract)."""
+    q, p = n.args[0], n.args[3] if len(n.args) > 3 else 0.0
     return q.meta is not None and len(q.meta.shape) == 4 and not p
 
 
@@ -41,5 +52,6 @@ def _half(n) -> bool:
 
 kernel(ATTENTION, BACKWARD, upcast_kernel(flash_backward), checker=_half, name="flash_fp32",
        measured=True)
+kernel(ATTENTION, FORWARD, flash_forward_math, checker=_forward_ok, name="math_forward", measured=True)
 kernel(ATTENTION, BACKWARD, flash_backward_math, checker=_backward_ok, priority=1, name="math_backward",
        measured=True)

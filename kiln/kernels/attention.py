@@ -1,22 +1,24 @@
-"""Attention's backward from the forward's log-sum-exp, on matrix products and two native row passes.
+"""Attention's forward and backward as matrix products and native row passes, one group of heads at a time.
 
-Same contract as ATen's CPU flash-attention backward (`aten._scaled_dot_product_flash_attention_for_cpu_backward`:
-the output's gradient, q, k, v, the output and its log-sum-exp -> the gradients of q, k and v), computed the
-textbook way one group of heads at a time:
+Same contracts as ATen's CPU flash-attention kernels (`aten._scaled_dot_product_flash_attention_for_cpu`: q, k,
+v -> the output and its log-sum-exp per query; and its `_backward`: the output's gradient, q, k, v, the output
+and the log-sum-exp -> the gradients of q, k and v), computed the textbook way:
 
-    S = q k^T (fp32)      P = exp(S * scale + mask - lse)     dV = P^T dO
-    dP = dO v^T (fp32)    dS = P * (dP - rowsum(dO * O)) * scale      dQ = dS k     dK = dS^T q
+    S = q k^T (fp32)   Z = S * scale + mask   lse = logsumexp(Z)   P = exp(Z - lse)   O = P v
+    dV = P^T dO   dP = dO v^T (fp32)   dS = P * (dP - rowsum(dO * O)) * scale   dQ = dS k   dK = dS^T q
 
-The scores and their gradient are fp32 products (of fp32 copies of a head group's q, k, v and dO: ATen has no
-bf16 product with an fp32 result on CPU), P and dS are rounded once to the inputs' dtype, and the products
-with them run in that dtype (bf16 on AMX). The passes from S to P and from dP to dS are single native loops
-(native.c `kiln_attn_probs`, `kiln_attn_dscores`); without them, ATen's elementwise ops. A group of heads is
-sized so that its scores stay in cache (GROUP_BYTES), so nothing (tokens x tokens)-sized outlives a group.
+The scores and their gradient are fp32 products: on a CPU with AVX-512 BF16, of the bf16 inputs themselves
+(native_attention.c `kiln_bf16_qk`: pair dot products into fp32, about 3.5x faster than ATen's fp32 product of
+widened copies, which is what runs elsewhere; ATen has no bf16 product with an fp32 result on CPU). P and dS
+are rounded once to the inputs' dtype, and the products with them run in that dtype (bf16 on AMX). The passes
+from S to P (and the log-sum-exp) and from dP to dS are single native loops (`kiln_attn_softmax`,
+`kiln_attn_probs`, `kiln_attn_dscores`); without them, ATen's elementwise ops. A group of heads is sized so
+that its scores stay in cache (GROUP_BYTES), so nothing (tokens x tokens)-sized outlives a group.
 
-Where it pays (the Xeon of docs/bf16.md, inputs laid out as projections make them, medians): in bf16 at B8 H8
-d64, 7.6 against ATen's 13.7 ms at 128 tokens, 16.3 against 18.3 at 256, but 50.6 against 36.1 at 1024; in fp32
-it never wins. The `attention` dialect (kiln/dialects/attention.py) offers it as a measured alternative, so it
-runs only where the step's tuner measures it faster on the node's shapes.
+Where it pays is a matter of shape and machine (docs/bf16.md): the products are quadratic in the sequence and
+the flash kernels are not, so at long sequences flash wins. The `attention` dialect (kiln/dialects/attention.py)
+offers both as measured alternatives, so each runs only where the step's tuner measures it faster on the node's
+shapes.
 """
 from __future__ import annotations
 
@@ -42,55 +44,123 @@ def _additive(mask: Tensor | None, is_causal: bool, t: int, s: int, like: Tensor
     return mask.float()
 
 
-def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
-                        dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Tensor | None = None,
-                        scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def _setup(name: str, q: Tensor, k: Tensor, dropout_p: float, is_causal: bool, attn_mask: Tensor | None,
+           scale: float | None, *others: Tensor):
+    """(scale, the additive mask expanded to (b, h, t, s) or None, the native library or None)."""
     if dropout_p > 0:
-        raise RuntimeError("flash_backward_math has no dropout")
+        raise RuntimeError(f"{name} has no dropout")
     b, h, t, d = q.shape
     s = k.shape[-2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
     mask = _additive(attn_mask, is_causal, t, s, q)
     if mask is not None:
         mask = mask.expand(b, h, t, s)
-    lib = native.usable(q, k, v, grad_out, out)
+    lib = native.usable(q, k, *others)
     if lib is not None and (s > native.ROW_MAX or (mask is not None and mask.stride(-1) != 1)):
         lib = None
-    dq = torch.empty(q.shape, dtype=q.dtype)            # dense: each head group's slice is written in place
-    dk, dv = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
+    return (1.0 / math.sqrt(d) if scale is None else scale), mask, lib
+
+
+def _products(a: Tensor, b: Tensor, out: Tensor | None = None, kn: bool = False) -> Tensor:
+    """a @ b^T in fp32 for (g, m, k) a and (g, n, k) b of one dtype (`kn`: a @ b for a (g, k, n) b), into `out`
+    (g, m, n, dense) if given."""
+    lib = _bf16_products() if a.dtype == torch.bfloat16 else None
+    if lib is not None:
+        a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
+        n = b.shape[2] if kn else b.shape[1]
+        out = torch.empty(a.shape[0], a.shape[1], n, dtype=torch.float32) if out is None else out
+        native.check(lib.kiln_bf16_abt(native.ptr(a), a.stride(0), a.stride(1), native.ptr(b), b.stride(0), b.stride(1),
+                                       int(kn), native.ptr(out), a.shape[0], a.shape[1], n, a.shape[2],
+                                       native.threads()), "bf16 products")
+        return out
+    if a.dtype != torch.float32:
+        a, b = a.float(), b.float()
+    return torch.bmm(a, b if kn else b.transpose(1, 2), out=out)
+
+
+def _bf16_products():
+    return native.bf16_products() if native.enabled() else None
+
+
+def _groups(q: Tensor, k: Tensor):
+    """(batch, head slice) of each cache-sized head group: its fp32 scores fit GROUP_BYTES."""
+    b, h, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     group = max(1, min(h, GROUP_BYTES // max(1, t * s * 4)))
-    lse = logsumexp.float()
     for bi in range(b):
         for h0 in range(0, h, group):
-            sl = (bi, slice(h0, min(h, h0 + group)))
-            qg, kg, vg, gg = q[sl].contiguous(), k[sl].contiguous(), v[sl].contiguous(), grad_out[sl].contiguous()
-            gf = gg.float()
-            delta = (gf * out[sl].float()).sum(-1)                       # (g, t)
-            scores = torch.bmm(qg.float(), kg.float().transpose(1, 2))    # (g, t, s) fp32
-            mg, lg = (None if mask is None else mask[sl]), lse[sl].contiguous()
-            if lib is not None:
-                p = torch.empty(scores.shape, dtype=q.dtype)
-                rows = scores.shape[0] * t              # row r: head r // t of the group, query r % t
-                native.check(lib.kiln_attn_probs(
-                    native.ptr(scores), native.ptr(p), native.code(p), native.ptr(lg), native.ptr(mg),
-                    mg.stride(0) if mg is not None else 0, mg.stride(1) if mg is not None else 0, t, rows, s,
-                    scale, native.threads()), "attention probabilities")
-                torch.bmm(p.transpose(1, 2), gg, out=dv[sl])
-                dp = torch.bmm(gf, vg.float().transpose(1, 2), out=scores)
-                native.check(lib.kiln_attn_dscores(native.ptr(p), native.code(p), native.ptr(dp), native.ptr(delta),
-                                                   rows, s, scale, native.threads()), "attention score gradients")
-                ds = p
-            else:                                       # ATen's elementwise ops (no native loops here)
-                z = scores * scale
-                if mg is not None:
-                    z = z + mg
-                pf = torch.exp(z - lg.unsqueeze(-1))
-                pf = torch.where(torch.isneginf(lg).unsqueeze(-1), torch.zeros_like(pf), pf)
-                p = pf.to(q.dtype)
-                torch.bmm(p.transpose(1, 2), gg, out=dv[sl])
-                dp = torch.bmm(gf, vg.float().transpose(1, 2))
-                ds = (p.float() * (dp - delta.unsqueeze(-1)) * scale).to(q.dtype)
-            torch.bmm(ds, kg, out=dq[sl])
-            torch.bmm(ds.transpose(1, 2), qg, out=dk[sl])
+            yield bi, slice(h0, min(h, h0 + group))
+
+
+def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
+                       attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    scale, mask, lib = _setup("flash_forward_math", q, k, dropout_p, is_causal, attn_mask, scale, v)
+    b, h, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype)     # ATen's flash output is dense too
+    lse = torch.empty(b, h, t, dtype=torch.float32)
+    # unnormalized probabilities exp(z - max) (the largest exactly 1), in bf16 where the products take bf16,
+    # times v into fp32, scaled by 1 / sum per row and rounded once, as the flash kernel does (normalized
+    # probabilities were further from float64: 1.3x flash's mean error in bf16, 1.4x in fp32)
+    low = q.dtype == torch.bfloat16 and lib is not None and _bf16_products() is not None
+    for sl in _groups(q, k):
+        qg, kg, vg = q[sl], k[sl], v[sl]
+        scores = _products(qg, kg)                              # (g, t, s) fp32
+        mg = None if mask is None else mask[sl]
+        if lib is not None:
+            p = torch.empty(scores.shape, dtype=q.dtype if low else torch.float32)
+            rowscale = torch.empty(scores.shape[:2])
+            native.check(lib.kiln_attn_softmax(
+                native.ptr(scores), native.ptr(p), native.code(p), native.ptr(lse[sl]), native.ptr(rowscale),
+                native.ptr(mg), mg.stride(0) if mg is not None else 0, mg.stride(1) if mg is not None else 0, t,
+                scores.shape[0] * t, s, scale, native.threads()), "attention softmax")
+        else:                                                   # ATen's elementwise ops
+            z = scores.mul_(scale) if mg is None else scores.mul_(scale).add_(mg)
+            top = z.amax(-1, keepdim=True)
+            masked = torch.isneginf(top)                        # every key masked: P 0 and lse 0, as ATen's
+            p = torch.exp(z.sub_(top.masked_fill(masked, 0.0)))
+            total = p.sum(-1, keepdim=True)
+            lse[sl] = torch.where(masked, 0.0, top + total.log()).squeeze(-1)
+            rowscale = torch.where(masked, 0.0, 1.0 / total).squeeze(-1)
+        o = _products(p, vg, kn=True) if low else torch.bmm(p, vg if vg.dtype == p.dtype else vg.float())
+        out[sl].copy_(o.mul_(rowscale.unsqueeze(-1)))
+    return out, lse
+
+
+def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
+                        dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Tensor | None = None,
+                        scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    scale, mask, lib = _setup("flash_backward_math", q, k, dropout_p, is_causal, attn_mask, scale, v, grad_out,
+                              out)
+    t, s = q.shape[2], k.shape[2]
+    dq = torch.empty(q.shape, dtype=q.dtype)            # dense: each head group's slice is written in place
+    dk, dv = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
+    lse = logsumexp.float()
+    for sl in _groups(q, k):
+        qg, kg, vg, gg = q[sl].contiguous(), k[sl].contiguous(), v[sl].contiguous(), grad_out[sl].contiguous()
+        delta = (gg.float() * out[sl].float()).sum(-1)                   # (g, t)
+        scores = _products(qg, kg)                                       # (g, t, s) fp32
+        mg, lg = (None if mask is None else mask[sl]), lse[sl].contiguous()
+        if lib is not None:
+            p = torch.empty(scores.shape, dtype=q.dtype)
+            rows = scores.shape[0] * t                  # row r: head r // t of the group, query r % t
+            native.check(lib.kiln_attn_probs(
+                native.ptr(scores), native.ptr(p), native.code(p), native.ptr(lg), native.ptr(mg),
+                mg.stride(0) if mg is not None else 0, mg.stride(1) if mg is not None else 0, t, rows, s,
+                scale, native.threads()), "attention probabilities")
+            torch.bmm(p.transpose(1, 2), gg, out=dv[sl])
+            dp = _products(gg, vg, out=scores)
+            native.check(lib.kiln_attn_dscores(native.ptr(p), native.code(p), native.ptr(dp), native.ptr(delta),
+                                               rows, s, scale, native.threads()), "attention score gradients")
+            ds = p
+        else:                                           # ATen's elementwise ops (no native loops here)
+            z = scores * scale
+            if mg is not None:
+                z = z + mg
+            pf = torch.exp(z - lg.unsqueeze(-1))
+            pf = torch.where(torch.isneginf(lg).unsqueeze(-1), torch.zeros_like(pf), pf)
+            p = pf.to(q.dtype)
+            torch.bmm(p.transpose(1, 2), gg, out=dv[sl])
+            dp = _products(gg, vg)
+            ds = (p.float() * (dp - delta.unsqueeze(-1)) * scale).to(q.dtype)
+        torch.bmm(ds, kg, out=dq[sl])
+        torch.bmm(ds.transpose(1, 2), qg, out=dk[sl])
     return dq, dk, dv
 

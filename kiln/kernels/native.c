@@ -523,53 +523,5 @@ int kiln_ce_backward(const void *x, int dt, int64_t xs, const int64_t *labels, i
     return 0;
 }
 
-/* ---- attention backward from the forward's log-sum-exp (kiln/kernels/attention.py) ------------------
- * A group of heads' query rows, row r being query i = r % tq of head h = r / tq. s: the fp32 scores q.k
- * (rows x cols, dense). Probabilities: p[r, j] = exp(s[r, j] * scale + mask[h, i, j] - lse[r]) in dt (mask
- * fp32 with element strides mh, mi and a dense last dim, or NULL; a row whose lse is -inf, all masked, gets 0).
- * Score gradients: given dp = dO.v^T (fp32, in s's place) and delta[r] = sum_d dO[r, d] * O[r, d],
- * ds[r, j] = p[r, j] * (dp[r, j] - delta[r]) * scale, in dt, written over p. */
-int kiln_attn_probs(const float *s, void *p, int dt, const float *lse, const float *mask, int64_t mh, int64_t mi,
-                    int64_t tq, int64_t rows, int64_t cols, double scale, int threads) {
-    float sc = (float)scale;
-#pragma omp parallel num_threads(threads)
-    {
-        float buf[ROW_MAX];
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const float *sr = s + r * cols;
-            float l = lse[r];
-            if (l == -INFINITY) {
-                for (int64_t j = 0; j < cols; j++) buf[j] = 0.0f;
-            } else if (mask) {
-                const float *mr = mask + (r / tq) * mh + (r % tq) * mi;
-#pragma omp simd
-                for (int64_t j = 0; j < cols; j++) buf[j] = exp_or_zero(sr[j] * sc + mr[j] - l);
-            } else {
-#pragma omp simd
-                for (int64_t j = 0; j < cols; j++) buf[j] = exp_or_zero(sr[j] * sc - l);
-            }
-            store(elem_out(p, dt, r * cols), dt, buf, cols);
-        }
-    }
-    return 0;
-}
-
-int kiln_attn_dscores(void *p, int dt, const float *dp, const float *delta, int64_t rows, int64_t cols, double scale,
-                      int threads) {
-    float sc = (float)scale;
-#pragma omp parallel num_threads(threads)
-    {
-        float buf[ROW_MAX];
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const float *pr = in_row(buf, elem(p, dt, r * cols), dt, cols);
-            const float *dr = dp + r * cols;
-            float d = delta[r];
-#pragma omp simd
-            for (int64_t j = 0; j < cols; j++) buf[j] = pr[j] * (dr[j] - d) * sc;
-            store(elem_out(p, dt, r * cols), dt, buf, cols);
-        }
-    }
-    return 0;
-}
+/* attention's row passes and its bf16 products: native_attention.c, compiled as part of this file */
+#include "native_attention.c"

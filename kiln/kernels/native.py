@@ -35,6 +35,7 @@ from kiln import cachedir
 log = logging.getLogger("kiln")
 
 _SOURCE = Path(__file__).with_name("native.c")
+_SOURCES = (_SOURCE, Path(__file__).with_name("native_attention.c"))     # native.c #includes the second
 ROW_MAX = 8192                     # native.c's row buffers; longer rows run the ATen composition
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 _ISA_FLAGS = {
@@ -63,6 +64,9 @@ _SIGNATURES = {
     "kiln_ce_backward": [_ptr, _int, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _int, _i64, _i64, _i64, _int],
     "kiln_attn_probs": [_ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _dbl, _int],
     "kiln_attn_dscores": [_ptr, _int, _ptr, _ptr, _i64, _i64, _dbl, _int],
+    "kiln_attn_softmax": [_ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _dbl, _int],
+    "kiln_bf16_abt": [_ptr, _i64, _i64, _ptr, _i64, _i64, _int, _ptr, _i64, _i64, _i64, _i64, _int],
+    "kiln_bf16_abt_built": [],
 }
 
 
@@ -116,7 +120,8 @@ def describe() -> str:
 def _build(compiler: str, version: str, flags: list[str], folder: Path, isa: str) -> Path:
     """native.c compiled with `flags` into `folder` (named by a digest of the source, compiler and flags; built
     once, through a temporary file and a rename, so no reader sees half a library)."""
-    digest = hashlib.sha256(repr((_SOURCE.read_bytes(), version, flags, os.path.realpath(compiler))).encode())
+    sources = tuple(p.read_bytes() for p in _SOURCES)
+    digest = hashlib.sha256(repr((sources, version, flags, os.path.realpath(compiler))).encode())
     target = folder / f"kiln-native-{isa.lower()}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -139,6 +144,25 @@ def library() -> Optional[ctypes.CDLL]:
     if not enabled():
         return None
     return _library(torch.backends.cpu.get_cpu_capability())
+
+
+def bf16_products() -> Optional[ctypes.CDLL]:
+    """The library where `kiln_bf16_abt` (bf16 products with fp32 results on AVX-512 BF16) may run: built with
+    it, ATen running its AVX-512 kernels (ATEN_CPU_CAPABILITY=avx2 asks for the AVX2 paths: then not), and
+    the CPU saying it has the instructions; else None."""
+    lib = library()
+    if lib is None or torch.backends.cpu.get_cpu_capability() != "AVX512" or not lib.kiln_bf16_abt_built():
+        return None
+    return lib if _cpu_flag("avx512_bf16") else None
+
+
+@functools.cache
+def _cpu_flag(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split(":", 1)[1].split() for line in f)
+    except OSError:
+        return False
 
 
 def usable(*tensors: Optional[Tensor]) -> Optional[ctypes.CDLL]:

@@ -95,8 +95,9 @@ def test_a_fully_masked_row_gets_no_gradient_through_it():
 
 @pytest.mark.parametrize("amp", [None, "bf16"])
 def test_the_step_trains_like_eager_with_the_measured_backward(amp, monkeypatch):
-    """A compiled step whose attention backward is the `attention` dialect's (every measured kernel kept,
-    faster here or not: the first, `math_backward`) trains as eager does (in bf16 on a CPU without native bf16
+    """A compiled step whose attention forward and backward are the `attention` dialect's (every measured kernel
+    kept, faster here or not: `math_forward`, and the first of the backward's, `math_backward`) trains as eager
+    does (in bf16 on a CPU without native bf16
     the `upcast` dialect runs the backward instead)."""
     import copy
 
@@ -119,11 +120,12 @@ def test_the_step_trains_like_eager_with_the_measured_backward(amp, monkeypatch)
         opt.step()
         torch.testing.assert_close(got, want.detach().float(), **tol)
     labels = {n.impl.label for n in step.graph.nodes
-              if n.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+              if n.target in (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                              aten._scaled_dot_product_flash_attention_for_cpu.default)}
     if amp is None:
-        assert labels == {"attention:math_backward"}, labels
+        assert labels == {"attention:math_backward", "attention:math_forward"}, labels
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     elif cpu_has_native(torch.bfloat16):
-        assert labels == {"attention:math_backward"}, labels
+        assert labels == {"attention:math_backward", "attention:math_forward"}, labels
     assert os.environ["KILN_KEEP"] == "all"

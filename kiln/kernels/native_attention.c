@@ -1,0 +1,223 @@
+/* Attention's native loops (kiln/kernels/attention.py), #included at the end of native.c (one library, the same
+ * helpers: load/store, exp_or_zero, block_max).
+ *
+ * A group of heads' query rows, row r being query i = r % tq of head h = r / tq, and s the fp32 scores q.k
+ * (rows x cols, dense). The mask is fp32 with element strides mh (head), mi (query) and a dense last dim, or
+ * NULL.
+ * - kiln_attn_softmax (forward): z = s * scale + mask; lse[r] = log(sum_j exp(z_rj)) and p = exp(z - lse)
+ *   in dt; or, given rowscale, p = exp(z - max_j z_rj) and rowscale[r] = 1 / sum_j p_rj (the output is then
+ *   P v times rowscale: unnormalized probabilities, whose largest is exactly 1, round more accurately).
+ *   A row with every key masked gets p = 0, lse = 0 (as ATen's CPU flash kernel gives it) and rowscale 0.
+ * - kiln_attn_probs (backward): p = exp(z - lse) from the forward's lse (a row whose lse is -inf gets 0).
+ * - kiln_attn_dscores (backward): given dp = dO.v^T (fp32) and delta[r] = sum_d dO[r, d] * O[r, d],
+ *   ds[r, j] = p[r, j] * (dp[r, j] - delta[r]) * scale, in dt, written over p.
+ * - kiln_bf16_abt: c[g] = a[g] b[g]^T in fp32 for bf16 a (g x m x k) and b (g x n x k; or b[g] given as k x n),
+ *   each row dense (strides per matrix and per row), on
+ *   AVX-512 BF16's pair dot products (vdpbf16ps: products of bf16 pairs, exact, summed into fp32
+ *   accumulators): as accurate as an fp32 product of the widened inputs and about 3.5x faster than it at
+ *   attention's sizes (ATen has no bf16 product with an fp32 result on CPU). Built where the compiler knows
+ *   the instructions; kiln_bf16_abt_built() says whether it was, and the Python side calls it only on a
+ *   CPU that has them. */
+
+/* v[j] = exp(v[j] - m) in place, and their sum (float lanes over pieces of 256, the pieces added in double) */
+static __attribute__((noinline)) double block_exp_sum(float *restrict v, int64_t n, float m) {
+    double s = 0.0;
+    for (int64_t lo = 0; lo < n; lo += 256) {
+        int64_t hi = n - lo < 256 ? n : lo + 256;
+        float piece = 0.0f;
+#pragma omp simd reduction(+ : piece)
+        for (int64_t j = lo; j < hi; j++) {
+            v[j] = exp_or_zero(v[j] - m);
+            piece += v[j];
+        }
+        s += piece;
+    }
+    return s;
+}
+
+int kiln_attn_softmax(const float *s, void *p, int dt, float *lse, float *rowscale, const float *mask, int64_t mh,
+                      int64_t mi, int64_t tq, int64_t rows, int64_t cols, double scale, int threads) {
+    float sc = (float)scale;
+#pragma omp parallel num_threads(threads)
+    {
+        float buf[ROW_MAX];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *sr = s + r * cols;
+            if (mask) {
+                const float *mr = mask + (r / tq) * mh + (r % tq) * mi;
+#pragma omp simd
+                for (int64_t j = 0; j < cols; j++) buf[j] = sr[j] * sc + mr[j];
+            } else {
+#pragma omp simd
+                for (int64_t j = 0; j < cols; j++) buf[j] = sr[j] * sc;
+            }
+            int nan = 0;
+            float m = block_max(buf, cols, -INFINITY, &nan);
+            float l;
+            if (nan || m == INFINITY) {
+                l = NAN;
+                if (rowscale) rowscale[r] = NAN;
+            } else if (m == -INFINITY) {             /* every key masked: no probabilities, lse 0 */
+                lse[r] = 0.0f;
+                if (rowscale) rowscale[r] = 0.0f;
+                memset(buf, 0, (size_t)cols * sizeof(float));
+                store(elem_out(p, dt, r * cols), dt, buf, cols);
+                continue;
+            } else if (rowscale) {                   /* exp(z - max), each computed once */
+                double sum = block_exp_sum(buf, cols, m);
+                lse[r] = (float)((double)m + log(sum));
+                rowscale[r] = (float)(1.0 / sum);
+                store(elem_out(p, dt, r * cols), dt, buf, cols);
+                continue;
+            } else {
+                l = (float)((double)m + log(block_sum_exp(buf, cols, m)));
+            }
+            lse[r] = l;
+#pragma omp simd
+            for (int64_t j = 0; j < cols; j++) buf[j] = exp_or_zero(buf[j] - l);
+            store(elem_out(p, dt, r * cols), dt, buf, cols);
+        }
+    }
+    return 0;
+}
+
+int kiln_attn_probs(const float *s, void *p, int dt, const float *lse, const float *mask, int64_t mh, int64_t mi,
+                    int64_t tq, int64_t rows, int64_t cols, double scale, int threads) {
+    float sc = (float)scale;
+#pragma omp parallel num_threads(threads)
+    {
+        float buf[ROW_MAX];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *sr = s + r * cols;
+            float l = lse[r];
+            if (l == -INFINITY) {
+                for (int64_t j = 0; j < cols; j++) buf[j] = 0.0f;
+            } else if (mask) {
+                const float *mr = mask + (r / tq) * mh + (r % tq) * mi;
+#pragma omp simd
+                for (int64_t j = 0; j < cols; j++) buf[j] = exp_or_zero(sr[j] * sc + mr[j] - l);
+            } else {
+#pragma omp simd
+                for (int64_t j = 0; j < cols; j++) buf[j] = exp_or_zero(sr[j] * sc - l);
+            }
+            store(elem_out(p, dt, r * cols), dt, buf, cols);
+        }
+    }
+    return 0;
+}
+
+int kiln_attn_dscores(void *p, int dt, const float *dp, const float *delta, int64_t rows, int64_t cols, double scale,
+                      int threads) {
+    float sc = (float)scale;
+#pragma omp parallel num_threads(threads)
+    {
+        float buf[ROW_MAX];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *pr = in_row(buf, elem(p, dt, r * cols), dt, cols);
+            const float *dr = dp + r * cols;
+            float d = delta[r];
+#pragma omp simd
+            for (int64_t j = 0; j < cols; j++) buf[j] = pr[j] * (dr[j] - d) * sc;
+            store(elem_out(p, dt, r * cols), dt, buf, cols);
+        }
+    }
+    return 0;
+}
+
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#include <immintrin.h>
+#define ABT_ROWS 8     /* rows of a register tile: 8 x 32 fp32 accumulators, 16 of the 32 zmm registers */
+
+/* c[rows x ncols] (row stride ldc) = a[8 x kp pairs] . bp[kp pairs x np], the columns j0 .. j0 + 32 of bp */
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) static void abt_tile(const uint32_t *a, int64_t kp,
+                                                                           const uint32_t *bp, int64_t np, float *c,
+                                                                           int64_t ldc, int rows, int64_t ncols) {
+    __m512 acc[ABT_ROWS][2];
+    for (int r = 0; r < ABT_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kp; p++) {
+        __m512i b0 = _mm512_loadu_si512(bp + p * np), b1 = _mm512_loadu_si512(bp + p * np + 16);
+        for (int r = 0; r < ABT_ROWS; r++) {
+            __m512i av = _mm512_set1_epi32((int)a[r * kp + p]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)av, (__m512bh)b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)av, (__m512bh)b1);
+        }
+    }
+    __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
+    __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
+    for (int r = 0; r < rows; r++) {
+        _mm512_mask_storeu_ps(c + r * ldc, m0, acc[r][0]);
+        _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);
+    }
+}
+
+int kiln_bf16_abt_built(void) { return 1; }
+
+/* b's pairs for one matrix, column-major over its n columns of the product: bp[p][j] = (B[2p][j], B[2p+1][j]) of
+ * B = b^T (k x n), zero past k and past n (np columns). b is given as n x k (row stride rs) or, `kn`, as k x n. */
+static void abt_pack(const uint16_t *b, int64_t rs, int kn, int64_t n, int64_t k, uint32_t *bp, int64_t np) {
+    int64_t kp = (k + 1) / 2;
+    for (int64_t p = 0; p < kp; p++) {
+        uint32_t *out = bp + p * np;
+        int two = 2 * p + 1 < k;
+        if (kn) {
+            const uint16_t *lo = b + 2 * p * rs, *hi = lo + rs;
+            for (int64_t j = 0; j < n; j++) out[j] = (uint32_t)lo[j] | (two ? (uint32_t)hi[j] << 16 : 0u);
+        } else {
+            for (int64_t j = 0; j < n; j++) {
+                const uint16_t *row = b + j * rs + 2 * p;
+                out[j] = (uint32_t)row[0] | (two ? (uint32_t)row[1] << 16 : 0u);
+            }
+        }
+        for (int64_t j = n; j < np; j++) out[j] = 0;
+    }
+}
+
+/* a: g x m x k, element (h, i, c) at a[h * a_hs + i * a_rs + c]; b: g x n x k at b[h * b_hs + j * b_rs + c], or
+ * (b_kn) g x k x n at b[h * b_hs + c * b_rs + j]; c: g x m x n dense */
+int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, const uint16_t *b, int64_t b_hs, int64_t b_rs,
+                  int b_kn, float *c, int64_t g, int64_t m, int64_t n, int64_t k, int threads) {
+    if (k <= 0 || k > (1 << 20)) return 2;
+    /* k padded to pairs (a zero last element when odd); n to whole tiles of 32 columns */
+    int64_t kp = (k + 1) / 2, np = (n + 31) / 32 * 32, tiles = (m + ABT_ROWS - 1) / ABT_ROWS;
+    int bad = 0;
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+        /* the matrix in hand's b as pairs; a's tile of rows as pairs, zero-padded to whole pairs and 8 rows */
+        uint32_t *bp = malloc((size_t)(np * kp) * sizeof(uint32_t));
+        uint16_t *at = malloc((size_t)(ABT_ROWS * kp * 2) * sizeof(uint16_t));
+        int64_t packed = -1;
+        if (!bp || !at) bad = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < g * tiles; t++) {
+            if (!bp || !at) continue;
+            int64_t h = t / tiles, i0 = (t % tiles) * ABT_ROWS;
+            if (h != packed) {
+                abt_pack(b + h * b_hs, b_rs, b_kn, n, k, bp, np);
+                packed = h;
+            }
+            int rows = m - i0 < ABT_ROWS ? (int)(m - i0) : ABT_ROWS;
+            memset(at, 0, (size_t)(ABT_ROWS * kp * 2) * sizeof(uint16_t));
+            for (int r = 0; r < rows; r++) memcpy(at + r * kp * 2, a + h * a_hs + (i0 + r) * a_rs, (size_t)k * 2);
+            float *ch = c + (h * m + i0) * n;
+            for (int64_t j0 = 0; j0 < n; j0 += 32)
+                abt_tile((const uint32_t *)at, kp, bp + j0, np, ch + j0, n, rows, n - j0);
+        }
+        free(bp);
+        free(at);
+    }
+    return bad ? 3 : 0;
+}
+#else
+int kiln_bf16_abt_built(void) { return 0; }
+
+int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, const uint16_t *b, int64_t b_hs, int64_t b_rs,
+                  int b_kn, float *c, int64_t g, int64_t m, int64_t n, int64_t k, int threads) {
+    (void)a, (void)a_hs, (void)a_rs, (void)b, (void)b_hs, (void)b_rs, (void)b_kn, (void)c, (void)g, (void)m, (void)n,
+        (void)k, (void)threads;
+    return 4;
+}
+#endif

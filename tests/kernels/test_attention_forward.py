@@ -1,0 +1,140 @@
+"""Attention's forward as products and row passes (kiln/kernels/attention.py `flash_forward_math`) against float64
+of the same (rounded) inputs, beside ATen's CPU flash forward, which it stands in for where measured faster; and
+the bf16 products with fp32 results it and the backward use (native_attention.c `kiln_bf16_abt`)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kiln.kernels import attention, native
+
+aten = torch.ops.aten
+MODES = ["bf16-products", "native", "aten"]      # dpbf16 products + native passes; native passes only; ATen ops
+
+
+def _mode(mode, monkeypatch):
+    if mode != "aten" and native.library() is None:
+        pytest.skip("no C compiler: the ATen elementwise ops run")
+    if mode == "bf16-products" and native.bf16_products() is None:
+        pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
+    monkeypatch.setenv("KILN_NATIVE", "0" if mode == "aten" else "1")
+    if mode == "native":
+        monkeypatch.setattr(attention, "_bf16_products", lambda: None)
+
+
+def _inputs(dtype, mask_kind, b=2, h=3, t=40, s=40, d=16):
+    torch.manual_seed(0)
+    # q/k/v as projections make them: (b, t, h, d) seen as (b, h, t, d); q and k scaled up so that the
+    # probabilities are far from uniform
+    q, k, v = [(torch.randn(b, n, h, d) * c).to(dtype).transpose(1, 2) for n, c in ((t, 2), (s, 2), (s, 1))]
+    mask, causal = None, False
+    if mask_kind == "additive":
+        mask = torch.zeros(b, 1, t, s, dtype=dtype)
+        mask[1, :, :, -5:] = float("-inf")
+    elif mask_kind == "per-head":
+        mask = torch.randn(b, h, t, s, dtype=dtype)
+    elif mask_kind == "bool":
+        mask = torch.rand(b, h, t, s) > 0.3
+    elif mask_kind == "causal":
+        causal = True
+    return (q, k, v), dict(causal=causal, mask=mask)
+
+
+def _flash(q, k, v, causal, mask):
+    if mask is not None and mask.dtype == torch.bool:      # as the sdpa lowering hands it to the kernel
+        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask)[:2]
+
+
+def _truth(q, k, v, causal, mask):
+    z = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        z = z.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else z + mask.double()
+    if causal:
+        z = z.masked_fill(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(z, -1) @ v.double(), torch.logsumexp(z, -1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mask_kind", ["additive", "per-head", "bool", "causal", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_float64_as_well_as_flash(dtype, mask_kind, mode, monkeypatch):
+    if mode == "bf16-products" and dtype != torch.bfloat16:
+        pytest.skip("the bf16 products are for bf16 inputs")
+    _mode(mode, monkeypatch)
+    (q, k, v), kw = _inputs(dtype, mask_kind)
+    out, lse = attention.flash_forward_math(q, k, v, 0.0, kw["causal"], attn_mask=kw["mask"])
+    f_out, f_lse = _flash(q, k, v, kw["causal"], kw["mask"])
+    t_out, t_lse = _truth(q, k, v, kw["causal"], kw["mask"])
+    assert out.dtype == dtype and out.shape == f_out.shape and lse.dtype == torch.float32 and lse.shape == f_lse.shape
+    eps = torch.finfo(dtype).eps
+    for what, mine, theirs, exact in (("out", out, f_out, t_out), ("lse", lse, f_lse, t_lse)):
+        err, flash_err = ((x.double() - exact).abs() for x in (mine, theirs))
+        scale = exact.abs().max().item()
+        assert err.max() <= flash_err.max() + 4 * eps * scale, \
+            f"{what}: {err.max():.3g} against flash's {flash_err.max():.3g}"
+        assert err.mean() <= 1.25 * flash_err.mean() + eps * scale / 100, \
+            f"{what}: mean {err.mean():.3g} against flash's {flash_err.mean():.3g}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_fully_masked_row_gives_what_flash_gives(mode, monkeypatch):
+    """Zeros, and a log-sum-exp of 0 (ATen's CPU flash forward), which its backward and math_backward both read
+    as no gradient through the row."""
+    _mode(mode, monkeypatch)
+    (q, k, v), _ = _inputs(torch.bfloat16, None)
+    mask = torch.zeros(2, 3, 40, 40, dtype=torch.bfloat16)
+    mask[0, 1, 7] = float("-inf")
+    out, lse = attention.flash_forward_math(q, k, v, 0.0, False, attn_mask=mask)
+    f_out, f_lse = _flash(q, k, v, False, mask)
+    assert out[0, 1, 7].abs().max() == 0 and lse[0, 1, 7] == f_lse[0, 1, 7] == 0
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_head_groups_cover_every_head(monkeypatch):
+    (q, k, v), kw = _inputs(torch.float32, "per-head", h=5)
+    whole = attention.flash_forward_math(q, k, v, 0.0, False, attn_mask=kw["mask"])
+    monkeypatch.setattr(attention, "GROUP_BYTES", 2 * 40 * 40 * 4)        # 2 heads a group
+    grouped = attention.flash_forward_math(q, k, v, 0.0, False, attn_mask=kw["mask"])
+    for a, b in zip(whole, grouped):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_either_forward_feeds_either_backward(dtype):
+    """The tuner picks the forward and the backward separately: the math forward's output and log-sum-exp,
+    given to ATen's flash backward, give flash's gradients (and the other way round)."""
+    (q, k, v), kw = _inputs(dtype, "causal")
+    g = torch.randn(q.shape, dtype=dtype)
+    f_out, f_lse = _flash(q, k, v, True, None)
+    m_out, m_lse = attention.flash_forward_math(q, k, v, 0.0, True)
+    back = aten._scaled_dot_product_flash_attention_for_cpu_backward
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for a, b in zip(back(g, q, k, v, m_out, m_lse, 0.0, True), back(g, q, k, v, f_out, f_lse, 0.0, True)):
+        torch.testing.assert_close(a, b, **tol)
+    for a, b in zip(attention.flash_backward_math(g, q, k, v, f_out, f_lse, 0.0, True),
+                    attention.flash_backward_math(g, q, k, v, m_out, m_lse, 0.0, True)):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("m,n,k", [(40, 40, 16), (37, 53, 64), (8, 32, 2), (9, 33, 7), (256, 64, 197), (1, 1, 1)])
+@pytest.mark.parametrize("kn", [False, True])
+def test_bf16_products_are_fp32_accurate(m, n, k, kn):
+    """kiln_bf16_abt against float64, within the error bound of an fp32 dot product of length k (|error| at
+    most k eps |a| |b|; row and column tails, odd k, strided rows, b given either way round)."""
+    lib = native.bf16_products()
+    if lib is None:
+        pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
+    torch.manual_seed(0)
+    a = torch.randn(3, m, k + 5).to(torch.bfloat16)[:, :, 2:k + 2]            # rows 5 elements apart
+    b = torch.randn(3, k, n).to(torch.bfloat16) if kn else torch.randn(3, n, k).to(torch.bfloat16)
+    got = attention._products(a, b, kn=kn)
+    bt = (b if kn else b.transpose(1, 2)).double()
+    exact = torch.bmm(a.double(), bt)
+    bound = k * torch.finfo(torch.float32).eps * torch.bmm(a.double().abs(), bt.abs())
+    assert got.dtype == torch.float32 and got.shape == (3, m, n)
+    assert ((got.double() - exact).abs() <= bound).all(), (got.double() - exact).abs().max()
+    a[0, 0, 0] = float("nan")                      # NaN stays NaN (no flush to a number)
+    assert attention._products(a, b, kn=kn)[0, 0].isnan().all()
