@@ -21,7 +21,7 @@ demo: $(VENV)/.installed
 # The CPUs that run CI differ (AVX2 only, or AVX-512 with BF16): on a CPU above AVX2 the parity tests run
 # again on the AVX2 kernels, so tolerances hold on both (on an AVX2-only CPU the first run already did).
 ISA_TESTS := tests/models/test_parity.py tests/models/test_amp_parity.py tests/dialects/test_upcast.py \
-	tests/kernels/test_attention_backward.py tests/passes/test_chunk.py
+	tests/kernels/test_attention_backward.py tests/kernels/test_attention_forward.py tests/passes/test_chunk.py
 CPU_ISA = $(shell $(PY) -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
 
 test: $(VENV)/.installed

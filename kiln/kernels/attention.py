@@ -60,16 +60,18 @@ def _setup(name: str, q: Tensor, k: Tensor, dropout_p: float, is_causal: bool, a
     return (1.0 / math.sqrt(d) if scale is None else scale), mask, lib
 
 
-def _products(a: Tensor, b: Tensor, out: Tensor | None = None, kn: bool = False) -> Tensor:
+def _products(a: Tensor, b: Tensor, out: Tensor | None = None, kn: bool = False, causal: bool = False) -> Tensor:
     """a @ b^T in fp32 for (g, m, k) a and (g, n, k) b of one dtype (`kn`: a @ b for a (g, k, n) b), into `out`
-    (g, m, n, dense) if given."""
+    (g, m, n, dense) if given. `causal` (a query i sees keys j <= i) lets the native kernel skip what the causal
+    mask makes irrelevant: for a @ b^T (scores) entries j > i may be 0 instead; for a @ b (kn: probabilities,
+    exactly 0 past the diagonal, times keys' rows) row i sums over j <= i only. Exact either way."""
     lib = _bf16_products() if a.dtype == torch.bfloat16 else None
     if lib is not None:
         a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
         n = b.shape[2] if kn else b.shape[1]
         out = torch.empty(a.shape[0], a.shape[1], n, dtype=torch.float32) if out is None else out
         native.check(lib.kiln_bf16_abt(native.ptr(a), a.stride(0), a.stride(1), native.ptr(b), b.stride(0), b.stride(1),
-                                       int(kn), native.ptr(out), a.shape[0], a.shape[1], n, a.shape[2],
+                                       int(kn), int(causal), native.ptr(out), a.shape[0], a.shape[1], n, a.shape[2],
                                        native.threads()), "bf16 products")
         return out
     if a.dtype != torch.float32:
@@ -79,6 +81,15 @@ def _products(a: Tensor, b: Tensor, out: Tensor | None = None, kn: bool = False)
 
 def _bf16_products():
     return native.bf16_products() if native.enabled() else None
+
+
+def _native_mask(mask: Tensor | None, is_causal: bool) -> tuple:
+    """The native row passes' mask arguments: the head group's fp32 mask (pointer, head and query strides; its
+    last dimension dense) and the causal flag, under which the passes leave the mask (causal and nothing else
+    here) aside and compute only keys j <= i."""
+    if is_causal or mask is None:
+        return None, 0, 0, int(is_causal)
+    return native.ptr(mask), mask.stride(0), mask.stride(1), 0
 
 
 def _groups(q: Tensor, k: Tensor):
@@ -102,15 +113,14 @@ def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, 
     low = q.dtype == torch.bfloat16 and lib is not None and _bf16_products() is not None
     for sl in _groups(q, k):
         qg, kg, vg = q[sl], k[sl], v[sl]
-        scores = _products(qg, kg)                              # (g, t, s) fp32
+        scores = _products(qg, kg, causal=is_causal)            # (g, t, s) fp32
         mg = None if mask is None else mask[sl]
         if lib is not None:
             p = torch.empty(scores.shape, dtype=q.dtype if low else torch.float32)
             rowscale = torch.empty(scores.shape[:2])
             native.check(lib.kiln_attn_softmax(
                 native.ptr(scores), native.ptr(p), native.code(p), native.ptr(lse[sl]), native.ptr(rowscale),
-                native.ptr(mg), mg.stride(0) if mg is not None else 0, mg.stride(1) if mg is not None else 0, t,
-                scores.shape[0] * t, s, scale, native.threads()), "attention softmax")
+                *_native_mask(mg, is_causal), t, scores.shape[0] * t, s, scale, native.threads()), "attention softmax")
         else:                                                   # ATen's elementwise ops
             z = scores.mul_(scale) if mg is None else scores.mul_(scale).add_(mg)
             top = z.amax(-1, keepdim=True)
@@ -119,7 +129,7 @@ def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, 
             total = p.sum(-1, keepdim=True)
             lse[sl] = torch.where(masked, 0.0, top + total.log()).squeeze(-1)
             rowscale = torch.where(masked, 0.0, 1.0 / total).squeeze(-1)
-        o = _products(p, vg, kn=True) if low else torch.bmm(p, vg if vg.dtype == p.dtype else vg.float())
+        o = _products(p, vg, kn=True, causal=is_causal) if low else torch.bmm(p, vg.to(p.dtype))
         out[sl].copy_(o.mul_(rowscale.unsqueeze(-1)))
     return out, lse
 
@@ -136,19 +146,19 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     for sl in _groups(q, k):
         qg, kg, vg, gg = q[sl].contiguous(), k[sl].contiguous(), v[sl].contiguous(), grad_out[sl].contiguous()
         delta = (gg.float() * out[sl].float()).sum(-1)                   # (g, t)
-        scores = _products(qg, kg)                                       # (g, t, s) fp32
+        scores = _products(qg, kg, causal=is_causal)                     # (g, t, s) fp32
         mg, lg = (None if mask is None else mask[sl]), lse[sl].contiguous()
         if lib is not None:
             p = torch.empty(scores.shape, dtype=q.dtype)
             rows = scores.shape[0] * t                  # row r: head r // t of the group, query r % t
             native.check(lib.kiln_attn_probs(
-                native.ptr(scores), native.ptr(p), native.code(p), native.ptr(lg), native.ptr(mg),
-                mg.stride(0) if mg is not None else 0, mg.stride(1) if mg is not None else 0, t, rows, s,
-                scale, native.threads()), "attention probabilities")
+                native.ptr(scores), native.ptr(p), native.code(p), native.ptr(lg), *_native_mask(mg, is_causal), t,
+                rows, s, scale, native.threads()), "attention probabilities")
             torch.bmm(p.transpose(1, 2), gg, out=dv[sl])
-            dp = _products(gg, vg, out=scores)
+            dp = _products(gg, vg, out=scores, causal=is_causal)
             native.check(lib.kiln_attn_dscores(native.ptr(p), native.code(p), native.ptr(dp), native.ptr(delta),
-                                               rows, s, scale, native.threads()), "attention score gradients")
+                                               int(is_causal), t, rows, s, scale, native.threads()),
+                         "attention score gradients")
             ds = p
         else:                                           # ATen's elementwise ops (no native loops here)
             z = scores * scale
@@ -158,9 +168,12 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
             pf = torch.where(torch.isneginf(lg).unsqueeze(-1), torch.zeros_like(pf), pf)
             p = pf.to(q.dtype)
             torch.bmm(p.transpose(1, 2), gg, out=dv[sl])
-            dp = _products(gg, vg)
+            dp = _products(gg, vg, causal=is_causal)
             ds = (p.float() * (dp - delta.unsqueeze(-1)) * scale).to(q.dtype)
-        torch.bmm(ds, kg, out=dq[sl])
+        if is_causal and ds.dtype == torch.bfloat16 and _bf16_products() is not None:
+            dq[sl].copy_(_products(ds, kg, kn=True, causal=True))     # row i: keys j <= i only
+        else:
+            torch.bmm(ds, kg, out=dq[sl])
         torch.bmm(ds.transpose(1, 2), qg, out=dk[sl])
     return dq, dk, dv
 

@@ -3,7 +3,8 @@
  *
  * A group of heads' query rows, row r being query i = r % tq of head h = r / tq, and s the fp32 scores q.k
  * (rows x cols, dense). The mask is fp32 with element strides mh (head), mi (query) and a dense last dim, or
- * NULL.
+ * NULL. `causal` (a query sees keys j <= i, i = r % tq; with or without a mask) computes only those columns of
+ * a row and writes p 0 past them (the products skip the rest: kiln_bf16_abt).
  * - kiln_attn_softmax (forward): z = s * scale + mask; lse[r] = log(sum_j exp(z_rj)) and p = exp(z - lse)
  *   in dt; or, given rowscale, p = exp(z - max_j z_rj) and rowscale[r] = 1 / sum_j p_rj (the output is then
  *   P v times rowscale: unnormalized probabilities, whose largest is exactly 1, round more accurately).
@@ -12,7 +13,9 @@
  * - kiln_attn_dscores (backward): given dp = dO.v^T (fp32) and delta[r] = sum_d dO[r, d] * O[r, d],
  *   ds[r, j] = p[r, j] * (dp[r, j] - delta[r]) * scale, in dt, written over p.
  * - kiln_bf16_abt: c[g] = a[g] b[g]^T in fp32 for bf16 a (g x m x k) and b (g x n x k; or b[g] given as k x n),
- *   each row dense (strides per matrix and per row), on
+ *   each row dense (strides per matrix and per row). `causal` says that only j <= i counts (a query i sees keys
+ *   j <= i): for a b^T the tiles wholly above the diagonal are not computed but written as 0; for a b (kn,
+ *   the sum over keys of probabilities that are exactly 0 past i) row i's sum stops after key i. On
  *   AVX-512 BF16's pair dot products (vdpbf16ps: products of bf16 pairs, exact, summed into fp32
  *   accumulators): as accurate as an fp32 product of the widened inputs and about 3.5x faster than it at
  *   attention's sizes (ATen has no bf16 product with an fp32 result on CPU). Built where the compiler knows
@@ -35,8 +38,13 @@ static __attribute__((noinline)) double block_exp_sum(float *restrict v, int64_t
     return s;
 }
 
+/* the columns row r computes: all, or (causal: query r % tq sees keys j <= r % tq) the first r % tq + 1 */
+static inline int64_t row_cols(int causal, int64_t r, int64_t tq, int64_t cols) {
+    return causal && r % tq + 1 < cols ? r % tq + 1 : cols;
+}
+
 int kiln_attn_softmax(const float *s, void *p, int dt, float *lse, float *rowscale, const float *mask, int64_t mh,
-                      int64_t mi, int64_t tq, int64_t rows, int64_t cols, double scale, int threads) {
+                      int64_t mi, int causal, int64_t tq, int64_t rows, int64_t cols, double scale, int threads) {
     float sc = (float)scale;
 #pragma omp parallel num_threads(threads)
     {
@@ -44,16 +52,18 @@ int kiln_attn_softmax(const float *s, void *p, int dt, float *lse, float *rowsca
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float *sr = s + r * cols;
+            int64_t nc = row_cols(causal, r, tq, cols);
             if (mask) {
                 const float *mr = mask + (r / tq) * mh + (r % tq) * mi;
 #pragma omp simd
-                for (int64_t j = 0; j < cols; j++) buf[j] = sr[j] * sc + mr[j];
+                for (int64_t j = 0; j < nc; j++) buf[j] = sr[j] * sc + mr[j];
             } else {
 #pragma omp simd
-                for (int64_t j = 0; j < cols; j++) buf[j] = sr[j] * sc;
+                for (int64_t j = 0; j < nc; j++) buf[j] = sr[j] * sc;
             }
+            memset(buf + nc, 0, (size_t)(cols - nc) * sizeof(float));      /* keys past a causal row: p 0 */
             int nan = 0;
-            float m = block_max(buf, cols, -INFINITY, &nan);
+            float m = block_max(buf, nc, -INFINITY, &nan);
             float l;
             if (nan || m == INFINITY) {
                 l = NAN;
@@ -65,17 +75,17 @@ int kiln_attn_softmax(const float *s, void *p, int dt, float *lse, float *rowsca
                 store(elem_out(p, dt, r * cols), dt, buf, cols);
                 continue;
             } else if (rowscale) {                   /* exp(z - max), each computed once */
-                double sum = block_exp_sum(buf, cols, m);
+                double sum = block_exp_sum(buf, nc, m);
                 lse[r] = (float)((double)m + log(sum));
                 rowscale[r] = (float)(1.0 / sum);
                 store(elem_out(p, dt, r * cols), dt, buf, cols);
                 continue;
             } else {
-                l = (float)((double)m + log(block_sum_exp(buf, cols, m)));
+                l = (float)((double)m + log(block_sum_exp(buf, nc, m)));
             }
             lse[r] = l;
 #pragma omp simd
-            for (int64_t j = 0; j < cols; j++) buf[j] = exp_or_zero(buf[j] - l);
+            for (int64_t j = 0; j < nc; j++) buf[j] = exp_or_zero(buf[j] - l);
             store(elem_out(p, dt, r * cols), dt, buf, cols);
         }
     }
@@ -83,7 +93,7 @@ int kiln_attn_softmax(const float *s, void *p, int dt, float *lse, float *rowsca
 }
 
 int kiln_attn_probs(const float *s, void *p, int dt, const float *lse, const float *mask, int64_t mh, int64_t mi,
-                    int64_t tq, int64_t rows, int64_t cols, double scale, int threads) {
+                    int causal, int64_t tq, int64_t rows, int64_t cols, double scale, int threads) {
     float sc = (float)scale;
 #pragma omp parallel num_threads(threads)
     {
@@ -92,36 +102,40 @@ int kiln_attn_probs(const float *s, void *p, int dt, const float *lse, const flo
         for (int64_t r = 0; r < rows; r++) {
             const float *sr = s + r * cols;
             float l = lse[r];
+            int64_t nc = row_cols(causal, r, tq, cols);
             if (l == -INFINITY) {
-                for (int64_t j = 0; j < cols; j++) buf[j] = 0.0f;
+                nc = 0;
             } else if (mask) {
                 const float *mr = mask + (r / tq) * mh + (r % tq) * mi;
 #pragma omp simd
-                for (int64_t j = 0; j < cols; j++) buf[j] = exp_or_zero(sr[j] * sc + mr[j] - l);
+                for (int64_t j = 0; j < nc; j++) buf[j] = exp_or_zero(sr[j] * sc + mr[j] - l);
             } else {
 #pragma omp simd
-                for (int64_t j = 0; j < cols; j++) buf[j] = exp_or_zero(sr[j] * sc - l);
+                for (int64_t j = 0; j < nc; j++) buf[j] = exp_or_zero(sr[j] * sc - l);
             }
+            memset(buf + nc, 0, (size_t)(cols - nc) * sizeof(float));
             store(elem_out(p, dt, r * cols), dt, buf, cols);
         }
     }
     return 0;
 }
 
-int kiln_attn_dscores(void *p, int dt, const float *dp, const float *delta, int64_t rows, int64_t cols, double scale,
-                      int threads) {
+/* causal: p is 0 past the diagonal (kiln_attn_probs wrote it), and so is ds there: those columns are left */
+int kiln_attn_dscores(void *p, int dt, const float *dp, const float *delta, int causal, int64_t tq, int64_t rows,
+                      int64_t cols, double scale, int threads) {
     float sc = (float)scale;
 #pragma omp parallel num_threads(threads)
     {
         float buf[ROW_MAX];
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            const float *pr = in_row(buf, elem(p, dt, r * cols), dt, cols);
+            int64_t nc = row_cols(causal, r, tq, cols);
+            const float *pr = in_row(buf, elem(p, dt, r * cols), dt, nc);
             const float *dr = dp + r * cols;
             float d = delta[r];
 #pragma omp simd
-            for (int64_t j = 0; j < cols; j++) buf[j] = pr[j] * (dr[j] - d) * sc;
-            store(elem_out(p, dt, r * cols), dt, buf, cols);
+            for (int64_t j = 0; j < nc; j++) buf[j] = pr[j] * (dr[j] - d) * sc;
+            store(elem_out(p, dt, r * cols), dt, buf, nc);
         }
     }
     return 0;
@@ -132,13 +146,15 @@ int kiln_attn_dscores(void *p, int dt, const float *dp, const float *delta, int6
 #include <immintrin.h>
 #define ABT_ROWS 8     /* rows of a register tile: 8 x 32 fp32 accumulators, 16 of the 32 zmm registers */
 
-/* c[rows x ncols] (row stride ldc) = a[8 x kp pairs] . bp[kp pairs x np], the columns j0 .. j0 + 32 of bp */
+/* c[rows x ncols] (row stride ldc) = a[8 x kend pairs] . bp[kend pairs x np], the columns j0 .. j0 + 32 of bp;
+ * a's rows are kp pairs apart */
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) static void abt_tile(const uint32_t *a, int64_t kp,
-                                                                           const uint32_t *bp, int64_t np, float *c,
-                                                                           int64_t ldc, int rows, int64_t ncols) {
+                                                                           int64_t kend, const uint32_t *bp,
+                                                                           int64_t np, float *c, int64_t ldc,
+                                                                           int rows, int64_t ncols) {
     __m512 acc[ABT_ROWS][2];
     for (int r = 0; r < ABT_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < kp; p++) {
+    for (int64_t p = 0; p < kend; p++) {
         __m512i b0 = _mm512_loadu_si512(bp + p * np), b1 = _mm512_loadu_si512(bp + p * np + 16);
         for (int r = 0; r < ABT_ROWS; r++) {
             __m512i av = _mm512_set1_epi32((int)a[r * kp + p]);
@@ -179,7 +195,7 @@ static void abt_pack(const uint16_t *b, int64_t rs, int kn, int64_t n, int64_t k
 /* a: g x m x k, element (h, i, c) at a[h * a_hs + i * a_rs + c]; b: g x n x k at b[h * b_hs + j * b_rs + c], or
  * (b_kn) g x k x n at b[h * b_hs + c * b_rs + j]; c: g x m x n dense */
 int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, const uint16_t *b, int64_t b_hs, int64_t b_rs,
-                  int b_kn, float *c, int64_t g, int64_t m, int64_t n, int64_t k, int threads) {
+                  int b_kn, int causal, float *c, int64_t g, int64_t m, int64_t n, int64_t k, int threads) {
     if (k <= 0 || k > (1 << 20)) return 2;
     /* k padded to pairs (a zero last element when odd); n to whole tiles of 32 columns */
     int64_t kp = (k + 1) / 2, np = (n + 31) / 32 * 32, tiles = (m + ABT_ROWS - 1) / ABT_ROWS;
@@ -191,7 +207,7 @@ int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, const uint16_t 
         uint16_t *at = malloc((size_t)(ABT_ROWS * kp * 2) * sizeof(uint16_t));
         int64_t packed = -1;
         if (!bp || !at) bad = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1)  /* tiles dealt out in turn: causal ones grow along a head */
         for (int64_t t = 0; t < g * tiles; t++) {
             if (!bp || !at) continue;
             int64_t h = t / tiles, i0 = (t % tiles) * ABT_ROWS;
@@ -203,8 +219,15 @@ int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, const uint16_t 
             memset(at, 0, (size_t)(ABT_ROWS * kp * 2) * sizeof(uint16_t));
             for (int r = 0; r < rows; r++) memcpy(at + r * kp * 2, a + h * a_hs + (i0 + r) * a_rs, (size_t)k * 2);
             float *ch = c + (h * m + i0) * n;
-            for (int64_t j0 = 0; j0 < n; j0 += 32)
-                abt_tile((const uint32_t *)at, kp, bp + j0, np, ch + j0, n, rows, n - j0);
+            int64_t last = i0 + rows - 1;       /* causal: the tile's last query sees keys 0 .. last */
+            int64_t kend = causal && b_kn && last + 1 < k ? (last + 2) / 2 : kp;
+            for (int64_t j0 = 0; j0 < n; j0 += 32) {
+                if (causal && !b_kn && j0 > last) {
+                    for (int r = 0; r < rows; r++) memset(ch + r * n + j0, 0, (size_t)(n - j0) * sizeof(float));
+                    break;
+                }
+                abt_tile((const uint32_t *)at, kp, kend, bp + j0, np, ch + j0, n, rows, n - j0);
+            }
         }
         free(bp);
         free(at);
@@ -215,9 +238,9 @@ int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, const uint16_t 
 int kiln_bf16_abt_built(void) { return 0; }
 
 int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, const uint16_t *b, int64_t b_hs, int64_t b_rs,
-                  int b_kn, float *c, int64_t g, int64_t m, int64_t n, int64_t k, int threads) {
-    (void)a, (void)a_hs, (void)a_rs, (void)b, (void)b_hs, (void)b_rs, (void)b_kn, (void)c, (void)g, (void)m, (void)n,
-        (void)k, (void)threads;
+                  int b_kn, int causal, float *c, int64_t g, int64_t m, int64_t n, int64_t k, int threads) {
+    (void)a, (void)a_hs, (void)a_rs, (void)b, (void)b_hs, (void)b_rs, (void)b_kn, (void)causal, (void)c, (void)g,
+        (void)m, (void)n, (void)k, (void)threads;
     return 4;
 }
 #endif

@@ -138,3 +138,32 @@ def test_bf16_products_are_fp32_accurate(m, n, k, kn):
     assert ((got.double() - exact).abs() <= bound).all(), (got.double() - exact).abs().max()
     a[0, 0, 0] = float("nan")                      # NaN stays NaN (no flush to a number)
     assert attention._products(a, b, kn=kn)[0, 0].isnan().all()
+
+
+@pytest.mark.parametrize("m,n,k", [(40, 40, 16), (37, 53, 64), (9, 33, 7), (256, 256, 64), (70, 30, 5)])
+@pytest.mark.parametrize("kn", [False, True])
+def test_causal_bf16_products_skip_only_what_the_mask_makes_irrelevant(m, n, k, kn):
+    """With `causal` (query i sees keys j <= i): scores a @ b^T are fp32-accurate for j <= i and a finite
+    number (0 where a tile was skipped) above the diagonal, whatever `out` held, since dS = P * (dP - delta)
+    multiplies them by a probability of 0; probabilities a (zero past the diagonal) times b equal the whole
+    product."""
+    lib = native.bf16_products()
+    if lib is None:
+        pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
+    torch.manual_seed(0)
+    if kn:                                               # a: (g, queries m, keys k), b: (g, keys k, n)
+        a = torch.randn(3, m, k).tril().to(torch.bfloat16)
+        b = torch.randn(3, k, n).to(torch.bfloat16)
+    else:                                                # a: (g, queries m, k), b: (g, keys n, k)
+        a, b = torch.randn(3, m, k).to(torch.bfloat16), torch.randn(3, n, k).to(torch.bfloat16)
+    out = torch.full((3, m, n), float("nan"))
+    got = attention._products(a, b, out=out, kn=kn, causal=True)
+    bt = (b if kn else b.transpose(1, 2)).double()
+    exact = torch.bmm(a.double(), bt)
+    bound = k * torch.finfo(torch.float32).eps * torch.bmm(a.double().abs(), bt.abs())
+    counted = torch.ones(m, n, dtype=torch.bool) if kn else torch.ones(m, n, dtype=torch.bool).tril()
+    err = (got.double() - exact).abs()
+    assert (err <= bound)[:, counted].all(), err[:, counted].max()
+    assert torch.isfinite(got).all()
+    if not kn and m >= 64 and n >= 64:
+        assert (got[:, :8, 32:] == 0).all()              # the first row tile's keys past 31 were not computed
