@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 from kiln.capture import capture, export
 from kiln.dialects import measure
 from kiln.dialects import registry as dialect_registry
-from kiln.dialects.tuning import Tuner
+from kiln.dialects.tuning import Tuner, replaying
 from kiln.errors import InputError, KilnError, StepError
 from kiln.guards import NONFINITE, BranchChanged, NonFiniteError, SkippedStep
 from kiln.ir import symbolic
@@ -607,7 +607,7 @@ class CompiledStep:
         inputs = [f(leaves, hyper) for f in prog.fetch]
         inputs = [x.detach().clone() if v.role in owned and isinstance(x, torch.Tensor) else x
                   for v, x in zip(prog.graph.inputs, inputs)]
-        with _rng_untouched(), torch.no_grad():
+        with _rng_untouched(), torch.no_grad(), replaying():
             mark = before() if before is not None else None
             fn(*inputs)
         return mark

@@ -169,3 +169,24 @@ def test_a_kernel_failing_at_run_time_falls_back_for_its_own_step_only(caplog):
     assert calls == [1]
     torch.testing.assert_close(b._own(impl).runnable(x, x), x + x)         # the other step tries its own
     assert calls == [1, 1]
+
+
+@needs_onednn
+def test_a_profile_replay_neither_samples_nor_advances_a_trial(monkeypatch, tmp_path):
+    """`step.profile()` (explain --profile) replays the step under per-op timers: its calls are not training
+    calls, so the open trials run their baseline untimed and keep what training measured."""
+    _online(monkeypatch, tmp_path)
+    model, args = _mlp()
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=_mlp_loss, dialects=["onednn"])
+    step(*args)
+    step(*args)
+    trials = {id(t): t for t in (getattr(n.impl.trial, 'trial', None) for n in step.graph.nodes if n.impl is not None)
+              if t is not None and not t.settled}
+    assert trials
+    before = {k: (t.calls, {a: list(v) for a, v in t.times.items()}) for k, t in trials.items()}
+    step.profile()
+    step.memory(measure=True)
+    assert {k: (t.calls, {a: list(v) for a, v in t.times.items()}) for k, t in trials.items()} == before
+    assert not tuning.busy()
+    step(*args)                                                    # training samples again
+    assert any(t.calls > before[k][0] for k, t in trials.items())
