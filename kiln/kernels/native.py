@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -139,11 +140,26 @@ def _build(compiler: str, version: str, flags: list[str], folder: Path, isa: str
     return target
 
 
+_building = threading.Lock()        # one build at a time (prepare's thread and a kernel's call may race)
+
+
 def library() -> Optional[ctypes.CDLL]:
     """The loaded loops for the ISA ATen runs with now, or None (disabled, no compiler, failed build)."""
     if not enabled():
         return None
-    return _library(torch.backends.cpu.get_cpu_capability())
+    isa = torch.backends.cpu.get_cpu_capability()
+    if isa in _loaded:                  # built and loaded: the cached result, without the lock
+        return _library(isa)
+    with _building:
+        return _library(isa)
+
+
+def prepare() -> None:
+    """Build or load the loops in a thread while the caller goes on: `kiln.compile` calls it, so that on a fresh
+    machine the compiler (a second or so, in its own process) runs beside the model's capture instead of
+    inside the first step. A kernel that needs the library meanwhile waits for it."""
+    if enabled() and torch.backends.cpu.get_cpu_capability() not in _loaded and not _building.locked():
+        threading.Thread(target=library, name="kiln-native-build").start()
 
 
 def bf16_products() -> Optional[ctypes.CDLL]:

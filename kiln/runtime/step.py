@@ -18,6 +18,7 @@ from kiln.errors import InputError, KilnError, StepError
 from kiln.guards import NONFINITE, BranchChanged, NonFiniteError, SkippedStep
 from kiln.ir import symbolic
 from kiln.ir.graph import Graph, Role
+from kiln.kernels import native
 from kiln.optim import Optimizer
 from kiln.passes.amp import AmpPolicy, cpu_has_native
 from kiln.passes.pipeline import ACCUM_STATE, AFTER_TUNING, AMP_STATE, METRICS, Context, run_pipeline
@@ -124,6 +125,7 @@ class CompiledStep:
                             f"default 'online'), got {tuning!r}")
         self.tuning = tuning
         self.tuner = Tuner(tuning)            # this step's trials, background workers and their lifecycle
+        native.prepare()                      # Kiln's native loops built beside the capture (on a fresh machine)
         if nonfinite not in NONFINITE:
             raise KilnError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
         self.nonfinite = nonfinite

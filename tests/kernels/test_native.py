@@ -362,3 +362,32 @@ def test_adamw_multi_reads_bf16_gradients_as_the_references_read_their_widened_c
         wv = [torch_opt.state[r]["exp_avg_sq"] for r in refs]
     assert all(torch.equal(a, b) for a, b in zip(gm + gv, wm + wv))
     assert [s.item() for s in ss] == [1.0, 4.0, 8.0]
+
+
+def test_prepare_builds_once_beside_the_caller(monkeypatch, tmp_path):
+    """kiln.compile starts the build in a thread (`native.prepare`); a kernel needing the library meanwhile
+    waits for that build instead of starting its own."""
+    import shutil
+    import threading
+    log = tmp_path / "builds"
+    cc = tmp_path / "cc-counting"
+    cc.write_text(f"#!/bin/sh\ncase \"$*\" in *-shared*) echo build >> {log};; esac\n"
+                  f"exec {shutil.which('cc')} \"$@\"\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_loaded", {})
+    native._library.cache_clear()
+    try:
+        native.prepare()
+        native.prepare()                                  # a second compile while the first builds: no second
+        lib = native.library()
+        for t in threading.enumerate():
+            if t.name == "kiln-native-build":
+                t.join()
+        assert lib is not None and native.library() is lib
+        assert log.read_text().split() == ["build"]
+        native.prepare()                                  # built: nothing to do
+        assert not any(t.name == "kiln-native-build" for t in threading.enumerate())
+    finally:
+        native._library.cache_clear()
