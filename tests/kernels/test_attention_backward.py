@@ -12,6 +12,7 @@ import torch
 from kiln.dialects.sdpa import flash_backward
 from kiln.dialects.upcast import upcast_kernel
 from kiln.kernels import attention, native
+from tests.kernels.test_attention_forward import masks
 
 aten = torch.ops.aten
 
@@ -22,14 +23,7 @@ def _case(dtype, mask_kind, b=2, h=3, t=40, s=40, d=16, transposed=False):
         q, k, v = [torch.randn(b, n, h, d, dtype=dtype).transpose(1, 2) for n in (t, s, s)]
     else:
         q, k, v = [torch.randn(b, h, n, d, dtype=dtype) for n in (t, s, s)]
-    mask, causal = None, False
-    if mask_kind == "additive":
-        mask = torch.zeros(b, 1, t, s, dtype=dtype)
-        mask[1, :, :, -5:] = float("-inf")
-    elif mask_kind == "per-head":
-        mask = torch.randn(b, h, t, s, dtype=dtype)
-    elif mask_kind == "causal":
-        causal = True
+    mask, causal = masks(mask_kind, b, h, t, s, dtype)
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask)[:2]
     g = torch.randn_like(out)
     return (g, q, k, v, out, lse), dict(causal=causal, mask=mask)

@@ -29,17 +29,23 @@ def _inputs(dtype, mask_kind, b=2, h=3, t=40, s=40, d=16):
     # q/k/v as projections make them: (b, t, h, d) seen as (b, h, t, d); q and k scaled up so that the
     # probabilities are far from uniform
     q, k, v = [(torch.randn(b, n, h, d) * c).to(dtype).transpose(1, 2) for n, c in ((t, 2), (s, 2), (s, 1))]
+    mask, causal = masks(mask_kind, b, h, t, s, dtype)
+    return (q, k, v), dict(causal=causal, mask=mask)
+
+
+def masks(kind, b, h, t, s, dtype):
+    """(attn_mask, is_causal) of a kind: None, additive (keys masked in one batch), per-head, bool, causal."""
     mask, causal = None, False
-    if mask_kind == "additive":
+    if kind == "additive":
         mask = torch.zeros(b, 1, t, s, dtype=dtype)
         mask[1, :, :, -5:] = float("-inf")
-    elif mask_kind == "per-head":
+    elif kind == "per-head":
         mask = torch.randn(b, h, t, s, dtype=dtype)
-    elif mask_kind == "bool":
+    elif kind == "bool":
         mask = torch.rand(b, h, t, s) > 0.3
-    elif mask_kind == "causal":
+    elif kind == "causal":
         causal = True
-    return (q, k, v), dict(causal=causal, mask=mask)
+    return mask, causal
 
 
 def _flash(q, k, v, causal, mask):

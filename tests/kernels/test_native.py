@@ -254,16 +254,21 @@ def test_the_build_is_cached_privately(monkeypatch, tmp_path):
         native._library.cache_clear()
 
 
-def test_a_compiler_without_openmp_builds_a_one_thread_library(monkeypatch, tmp_path, caplog):
-    """Apple's clang has no -fopenmp: the loops are built without it (one thread) and still compute right."""
+def _wrapped_cc(monkeypatch, tmp_path, before: str) -> None:
+    """$CC: a shell script running `before`, then the real cc; a fresh cache folder; the build forgotten."""
     import shutil
-    cc = tmp_path / "cc-no-openmp"
-    cc.write_text(f"#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -fopenmp ] && {{ echo 'unsupported option -fopenmp' >&2; "
-                  f"exit 1; }}; done\nexec {shutil.which('cc')} \"$@\"\n")
+    cc = tmp_path / "cc-wrapped"
+    cc.write_text(f"#!/bin/sh\n{before}\nexec {shutil.which('cc')} \"$@\"\n")
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     native._library.cache_clear()
+
+
+def test_a_compiler_without_openmp_builds_a_one_thread_library(monkeypatch, tmp_path, caplog):
+    """Apple's clang has no -fopenmp: the loops are built without it (one thread) and still compute right."""
+    _wrapped_cc(monkeypatch, tmp_path, "for a in \"$@\"; do [ \"$a\" = -fopenmp ] && { echo 'unsupported option "
+                "-fopenmp' >&2; exit 1; }; done")
     try:
         with caplog.at_level(logging.INFO, logger="kiln"):
             assert native.library() is not None
@@ -367,17 +372,10 @@ def test_adamw_multi_reads_bf16_gradients_as_the_references_read_their_widened_c
 def test_prepare_builds_once_beside_the_caller(monkeypatch, tmp_path):
     """kiln.compile starts the build in a thread (`native.prepare`); a kernel needing the library meanwhile
     waits for that build instead of starting its own."""
-    import shutil
     import threading
     log = tmp_path / "builds"
-    cc = tmp_path / "cc-counting"
-    cc.write_text(f"#!/bin/sh\ncase \"$*\" in *-shared*) echo build >> {log};; esac\n"
-                  f"exec {shutil.which('cc')} \"$@\"\n")
-    cc.chmod(0o755)
-    monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    _wrapped_cc(monkeypatch, tmp_path, f"case \"$*\" in *-shared*) echo build >> {log};; esac")
     monkeypatch.setattr(native, "_loaded", {})
-    native._library.cache_clear()
     try:
         native.prepare()
         native.prepare()                                  # a second compile while the first builds: no second
