@@ -87,8 +87,11 @@ def autocast(graph: Graph, policy: AmpPolicy) -> int:
             return src                                     # cast(cast(x, a), x.dtype) -> x
         key = (v.uid, dtype)
         if key not in casts:
-            casts[key] = b(aten._to_copy.default, v, dtype=dtype)
-            inserted += 1
+            moved = _moved(b, v, dtype, cast)
+            if moved is None:
+                moved = b(aten._to_copy.default, v, dtype=dtype)
+                inserted += 1
+            casts[key] = moved
         return casts[key]
 
     for n in graph.nodes:
@@ -111,6 +114,30 @@ def autocast(graph: Graph, policy: AmpPolicy) -> int:
         new_nodes.append(n)
     graph.nodes = new_nodes
     return inserted
+
+
+# Ops that only move data, with which rounding commutes: a narrowing cast of their result is the op on cast
+# inputs. The cast then reaches what they move: BERT's decoder bias joins its weight by unsqueeze, pad and cat
+# (one product for both: kiln_kernels._with_bias), and the cast of the joined matrix was an activation cast
+# every step, and its gradient's widening another; cast beneath, they are casts of parameters (once a step)
+# and of their gradients (read by the optimizer as they are).
+_MOVES = (aten.cat.default, aten.constant_pad_nd.default, aten.unsqueeze.default)
+
+
+def _moved(b: Builder, v: Value, dtype: torch.dtype, cast) -> Value | None:
+    """The op making `v`, rebuilt on its inputs `cast` to `dtype`, where it only moves data and `dtype` is
+    narrower (a pad value must be exact in `dtype`); else None."""
+    p = v.producer
+    if p is None or p.target not in _MOVES or dtype.itemsize >= v.meta.dtype.itemsize or p.kwargs:
+        return None
+    if p.target is aten.constant_pad_nd.default:
+        value = p.args[2] if len(p.args) > 2 else 0.0
+        if not isinstance(value, (int, float)) or float(torch.tensor(value, dtype=dtype)) != value:
+            return None
+    if not all(x.meta.dtype == v.meta.dtype for x in p.inputs if x.is_float):
+        return None
+    args = tree_map_values(lambda x: cast(b, x, dtype) if x.is_float else x, p.args)
+    return b(p.target, *args)
 
 
 def _promotion(floats: list[Value]) -> dict[Value, torch.dtype]:
