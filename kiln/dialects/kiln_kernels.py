@@ -15,15 +15,28 @@ import torch
 from kiln.dialects.registry import dialect, fusion, kernel
 from kiln.ir.graph import Value
 from kiln.ir.pattern import Lit, Op, Opt, Seq, V
-from kiln.kernels import OPS
+from kiln.kernels import OPS, activations
 from kiln.ops.common import reshape, shape
 from kiln.ir.symbolic import hint, same
 
 KILN = dialect("kiln", priority=5, devices=("cpu", "cuda"),
-               doc="Kiln's fused kernels: norms, SwiGLU, Linear+GELU, RoPE, chunked Linear+cross-entropy")
+               doc="Kiln's fused kernels: norms, SwiGLU, Linear+GELU, GELU (tanh), RoPE, chunked Linear+cross-entropy")
 
 for _name, _op in OPS.items():
     kernel(KILN, _op, _op, name=_name)
+
+
+def _gelu_tanh_ok(n) -> bool:
+    """A CPU float32/bfloat16 GELU (or its backward) in the tanh approximation: native.c's single pass."""
+    approximate = n.kwargs.get("approximate", n.args[-1] if isinstance(n.args[-1], str) else "none")
+    metas = [v.meta for v in n.inputs] + [v.meta for v in n.outputs]
+    return approximate == "tanh" and all(
+        m is not None and m.device.type == "cpu" and m.dtype in (torch.float32, torch.bfloat16) for m in metas)
+
+
+kernel(KILN, torch.ops.aten.gelu.default, activations.gelu, checker=_gelu_tanh_ok, name="gelu_tanh")
+kernel(KILN, torch.ops.aten.gelu_backward.default, activations.gelu_backward, checker=_gelu_tanh_ok,
+       name="gelu_tanh_backward")
 
 
 # ---- fusions: unfused subgraphs -> kiln kernels (the `fuse` pass) ------------------------------

@@ -192,6 +192,42 @@ swiglu_linear_op.register_autograd(_swiglu_linear_backward, setup_context=_swigl
 
 
 # ---- Linear + GELU ----------------------------------------------------------------------------
+# ---- GELU ----------------------------------------------------------------------------------------------
+def _gelu_native(*tensors: Tensor, approximate: str):
+    """The native library where its GELU loops take these tensors (the tanh approximation; CPU float32 or
+    bfloat16, dense), else None."""
+    if approximate != "tanh" or any(not t.is_contiguous() for t in tensors):
+        return None
+    return native.usable(*tensors)
+
+
+def gelu(x: Tensor, approximate: str = "none", out: Optional[Tensor] = None) -> Tensor:
+    """`aten.gelu(x, approximate=)`, into `out` (x itself for in place) if given. The tanh approximation runs
+    as one native pass (native.c `kiln_gelu_tanh`: x * sigmoid(2u), the same function as 0.5 x (1 + tanh(u)),
+    with one exp and no tanh; 4M bf16 values on the EPYC: 1.1 against ATen's 4.1 ms, whose vectorized tanh is
+    the cost); the exact form is ATen's own (fast there already)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    lib = _gelu_native(x, out, approximate=approximate)
+    if lib is None:
+        return aten.gelu.out(x, approximate=approximate, out=out)
+    native.check(lib.kiln_gelu_tanh(x.data_ptr(), native.code(x), out.data_ptr(), native.code(out), x.numel(),
+                                    native.threads()), "GELU")
+    return out
+
+
+def gelu_backward(grad: Tensor, x: Tensor, approximate: str = "none", out: Optional[Tensor] = None) -> Tensor:
+    """`aten.gelu_backward(grad, x, approximate=)` into `out` (grad or x itself for in place) if given; the tanh
+    approximation as one native pass (`kiln_gelu_tanh_backward`)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    lib = _gelu_native(grad, x, out, approximate=approximate) if grad.shape == x.shape else None
+    if lib is None:
+        return aten.gelu_backward.grad_input(grad, x, approximate=approximate, grad_input=out)
+    native.check(lib.kiln_gelu_tanh_backward(grad.data_ptr(), native.code(grad), x.data_ptr(), native.code(x),
+                                             out.data_ptr(), native.code(out), x.numel(), native.threads()),
+                 "GELU backward")
+    return out
+
+
 def _check_approximate(approximate: str) -> None:
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
@@ -209,7 +245,7 @@ def linear_gelu_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], approximat
         return impl(x, weight, bias, approximate)
     _check_approximate(approximate)
     z = _pre_activation(rows(x), weight, bias)
-    aten.gelu_(z, approximate=approximate)
+    gelu(z, approximate, out=z)
     return z.reshape(tuple(x.shape[:-1]) + (weight.shape[0],))
 
 
@@ -229,7 +265,7 @@ def linear_gelu_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias: Optio
         return impl(grad, x, weight, bias, approximate)
     x2 = rows(x)
     z = _pre_activation(x2, weight, bias)
-    gz = aten.gelu_backward.grad_input(rows(grad), z, approximate=approximate, grad_input=z)  # in place over z
+    gz = gelu_backward(rows(grad).contiguous(), z, approximate, out=z)     # in place over z
     grad_x = torch.mm(gz, weight).reshape(x.shape)
     grad_w = torch.mm(gz.t(), x2)
     grad_b = gz.sum(0) if bias is not None else x.new_empty((0,))

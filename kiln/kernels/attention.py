@@ -60,23 +60,33 @@ def _setup(name: str, q: Tensor, k: Tensor, dropout_p: float, is_causal: bool, a
     return (1.0 / math.sqrt(d) if scale is None else scale), mask, lib
 
 
-def _products(a: Tensor, b: Tensor, out: Tensor | None = None, kn: bool = False, causal: bool = False) -> Tensor:
-    """a @ b^T in fp32 for (g, m, k) a and (g, n, k) b of one dtype (`kn`: a @ b for a (g, k, n) b), into `out`
-    (g, m, n, dense) if given. `causal` (a query i sees keys j <= i) lets the native kernel skip what the causal
-    mask makes irrelevant: for a @ b^T (scores) entries j > i may be 0 instead; for a @ b (kn: probabilities,
-    exactly 0 past the diagonal, times keys' rows) row i sums over j <= i only. Exact either way."""
+def _products(a: Tensor, b: Tensor, out: Tensor | None = None, kn: bool = False, causal: bool = False,
+              at: bool = False) -> Tensor:
+    """a @ b^T in fp32 for (g, m, k) a and (g, n, k) b of one dtype (`kn`: a @ b for a (g, k, n) b; `at`: a^T @ b
+    for a (g, k, m) a and a (g, k, n) b), into `out` (g, m, n, dense; fp32, or bf16 for bf16 inputs: the fp32
+    sums rounded once) if given. `causal` (a query i sees keys j <= i) lets the native kernel skip what the
+    causal mask makes irrelevant: for a @ b^T (scores) entries j > i may be 0 instead; for a @ b (kn:
+    probabilities, exactly 0 past the diagonal, times keys' rows) row i sums over j <= i only; for a^T @ b (at:
+    probabilities or their gradients, 0 past the diagonal, transposed, times queries' rows) key i sums over
+    queries c >= i only. Exact either way."""
     lib = _bf16_products() if a.dtype == torch.bfloat16 else None
     if lib is not None:
         a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
-        n = b.shape[2] if kn else b.shape[1]
-        out = torch.empty(a.shape[0], a.shape[1], n, dtype=torch.float32) if out is None else out
-        native.check(lib.kiln_bf16_abt(native.ptr(a), a.stride(0), a.stride(1), native.ptr(b), b.stride(0), b.stride(1),
-                                       int(kn), int(causal), native.ptr(out), a.shape[0], a.shape[1], n, a.shape[2],
+        n = b.shape[2] if kn or at else b.shape[1]
+        m = a.shape[2] if at else a.shape[1]
+        out = torch.empty(a.shape[0], m, n, dtype=torch.float32) if out is None else out
+        native.check(lib.kiln_bf16_abt(native.ptr(a), a.stride(0), a.stride(1), int(at), native.ptr(b), b.stride(0),
+                                       b.stride(1), int(kn or at), int(causal), native.ptr(out),
+                                       int(out.dtype == torch.bfloat16), a.shape[0], m, n, a.shape[1 if at else 2],
                                        native.threads()), "bf16 products")
         return out
     if a.dtype != torch.float32:
         a, b = a.float(), b.float()
-    return torch.bmm(a, b if kn else b.transpose(1, 2), out=out)
+    if at:
+        a = a.transpose(1, 2)
+    if out is not None and out.dtype != torch.float32:
+        return out.copy_(torch.bmm(a, b if kn or at else b.transpose(1, 2)))
+    return torch.bmm(a, b if kn or at else b.transpose(1, 2), out=out)
 
 
 def _bf16_products():
@@ -144,7 +154,7 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     dk, dv = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
     lse = logsumexp.float()
     for sl in _groups(q, k):
-        qg, kg, vg, gg = q[sl].contiguous(), k[sl].contiguous(), v[sl].contiguous(), grad_out[sl].contiguous()
+        qg, kg, vg, gg = q[sl], k[sl], v[sl], grad_out[sl]              # strided rows: the products read them as they are
         delta = (gg.float() * out[sl].float()).sum(-1)                   # (g, t)
         scores = _products(qg, kg, causal=is_causal)                     # (g, t, s) fp32
         mg, lg = (None if mask is None else mask[sl]), lse[sl].contiguous()
@@ -154,7 +164,7 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
             native.check(lib.kiln_attn_probs(
                 native.ptr(scores), native.ptr(p), native.code(p), native.ptr(lg), *_native_mask(mg, is_causal), t,
                 rows, s, scale, native.threads()), "attention probabilities")
-            torch.bmm(p.transpose(1, 2), gg, out=dv[sl])
+            _transposed_products(p, gg, dv[sl], is_causal)
             dp = _products(gg, vg, out=scores, causal=is_causal)
             native.check(lib.kiln_attn_dscores(native.ptr(p), native.code(p), native.ptr(dp), native.ptr(delta),
                                                int(is_causal), t, rows, s, scale, native.threads()),
@@ -171,9 +181,19 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
             dp = _products(gg, vg, causal=is_causal)
             ds = (p.float() * (dp - delta.unsqueeze(-1)) * scale).to(q.dtype)
         if is_causal and ds.dtype == torch.bfloat16 and _bf16_products() is not None:
-            dq[sl].copy_(_products(ds, kg, kn=True, causal=True))     # row i: keys j <= i only
+            _products(ds, kg, out=dq[sl], kn=True, causal=True)         # row i: keys j <= i only
         else:
             torch.bmm(ds, kg, out=dq[sl])
-        torch.bmm(ds.transpose(1, 2), qg, out=dk[sl])
+        _transposed_products(ds, qg, dk[sl], is_causal)
     return dq, dk, dv
+
+
+def _transposed_products(a: Tensor, b: Tensor, out: Tensor, is_causal: bool) -> None:
+    """out = a^T @ b for a head group's probabilities or score gradients a (g, t, s) and its queries' rows b (g,
+    t, d): dV and dK. Under a causal mask a is 0 past the diagonal, so key i sums over queries c >= i only (the
+    native bf16 kernel skips the rest; ATen's bmm of a transposed view computes it all)."""
+    if is_causal and a.dtype == torch.bfloat16 and _bf16_products() is not None:
+        _products(a, b, out=out, at=True, causal=True)
+    else:
+        torch.bmm(a.transpose(1, 2), b, out=out)
 

@@ -330,6 +330,60 @@ int kiln_swiglu_backward(const void *grad, int gr_dt, int64_t gr_s, const void *
     return 0;
 }
 
+/* ---- GELU, tanh approximation --------------------------------------------------------------------------
+ * gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed as x * sigmoid(2u) (the same
+ * function: 0.5 (1 + tanh(u)) = sigmoid(2u)), which needs one exp and no tanh, and loses nothing to
+ * cancellation where tanh(u) is near -1. The backward: d gelu / dx = s + 2 x s (1 - s) u', s = sigmoid(2u),
+ * u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2). n contiguous elements in, n out (grad_in may be grad itself). */
+#define GELU_K 0.7978845608028654f
+#define GELU_C 0.044715f
+
+int kiln_gelu_tanh(const void *x, int x_dt, void *out, int o_dt, int64_t n, int threads) {
+    int64_t tasks = (n + BLOCK - 1) / BLOCK;
+#pragma omp parallel num_threads(threads)
+    {
+        float xb[BLOCK], ob[BLOCK];
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < tasks; k++) {
+            int64_t lo = k * BLOCK, m = n - lo < BLOCK ? n - lo : BLOCK;
+            const float *a = in_row(xb, elem(x, x_dt, lo), x_dt, m);
+            float *o = out_row(ob, elem_out(out, o_dt, lo), o_dt);
+#pragma omp simd
+            for (int64_t j = 0; j < m; j++) {
+                float v = a[j], u = GELU_K * (v + GELU_C * v * v * v);
+                o[j] = v * sigmoid(2.0f * u);
+            }
+            out_done(elem_out(out, o_dt, lo), o_dt, o, m);
+        }
+    }
+    return 0;
+}
+
+int kiln_gelu_tanh_backward(const void *grad, int g_dt, const void *x, int x_dt, void *grad_in, int gi_dt, int64_t n,
+                            int threads) {
+    int64_t tasks = (n + BLOCK - 1) / BLOCK;
+#pragma omp parallel num_threads(threads)
+    {
+        float gb[BLOCK], xb[BLOCK], ob[BLOCK];
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < tasks; k++) {
+            int64_t lo = k * BLOCK, m = n - lo < BLOCK ? n - lo : BLOCK;
+            const float *g = in_row(gb, elem(grad, g_dt, lo), g_dt, m);
+            const float *a = in_row(xb, elem(x, x_dt, lo), x_dt, m);
+            float *o = out_row(ob, elem_out(grad_in, gi_dt, lo), gi_dt);
+#pragma omp simd
+            for (int64_t j = 0; j < m; j++) {
+                /* 1 - s as e s (e = exp(-2u)): no cancellation where s is near 1 */
+                float v = a[j], v2 = v * v, u = GELU_K * (v + GELU_C * v2 * v);
+                float e = exp_approx(-2.0f * u), sg = 1.0f / (1.0f + e), du = GELU_K * (1.0f + 3.0f * GELU_C * v2);
+                o[j] = g[j] * (sg + 2.0f * v * sg * (e * sg) * du);
+            }
+            out_done(elem_out(grad_in, gi_dt, lo), gi_dt, o, m);
+        }
+    }
+    return 0;
+}
+
 /* ---- AdamW out of place (ZeRO) -----------------------------------------------------------------------
  * kiln_adamw_param: the new parameter from p, g and the moments as they will be after this step, written to
  * p_out; the moments themselves are not written (the step may still fail before its commit).

@@ -12,15 +12,17 @@
  * - kiln_attn_probs (backward): p = exp(z - lse) from the forward's lse (a row whose lse is -inf gets 0).
  * - kiln_attn_dscores (backward): given dp = dO.v^T (fp32) and delta[r] = sum_d dO[r, d] * O[r, d],
  *   ds[r, j] = p[r, j] * (dp[r, j] - delta[r]) * scale, in dt, written over p.
- * - kiln_bf16_abt: c[g] = a[g] b[g]^T in fp32 for bf16 a (g x m x k) and b (g x n x k; or b[g] given as k x n),
- *   each row dense (strides per matrix and per row). `causal` says that only j <= i counts (a query i sees keys
+ * - kiln_bf16_abt: c[g] = a[g] b[g]^T for bf16 a (g x m x k; or a[g] given as k x m, `a_t`) and b (g x n x k;
+ *   or b[g] given as k x n), each row dense (strides per matrix and per row), into fp32 c or, `c_bf16`, c rounded
+ *   once to bf16 (as ATen's bf16 products round). `causal` says that only j <= i counts (a query i sees keys
  *   j <= i): for a b^T the tiles wholly above the diagonal are not computed but written as 0; for a b (kn,
- *   the sum over keys of probabilities that are exactly 0 past i) row i's sum stops after key i. On
- *   AVX-512 BF16's pair dot products (vdpbf16ps: products of bf16 pairs, exact, summed into fp32
- *   accumulators): as accurate as an fp32 product of the widened inputs and about 3.5x faster than it at
- *   attention's sizes (ATen has no bf16 product with an fp32 result on CPU). Built where the compiler knows
- *   the instructions; kiln_bf16_abt_built() says whether it was, and the Python side calls it only on a
- *   CPU that has them. */
+ *   the sum over keys of probabilities that are exactly 0 past i) row i's sum stops after key i; for a^T b
+ *   (dV = P^T dO, dK = dS^T q: a's rows are queries, its columns keys, exactly 0 past the diagonal) key i's
+ *   sum starts at query i. On AVX-512 BF16's pair dot products (vdpbf16ps: products of bf16 pairs, exact,
+ *   summed into fp32 accumulators): as accurate as an fp32 product of the widened inputs and about 3.5x faster
+ *   than it at attention's sizes (ATen has no bf16 product with an fp32 result on CPU). Built where the
+ *   compiler knows the instructions; kiln_bf16_abt_built() says whether it was, and the Python side calls it
+ *   only on a CPU that has them. */
 
 /* v[j] = exp(v[j] - m) in place, and their sum (float lanes over pieces of 256, the pieces added in double) */
 static __attribute__((noinline)) double block_exp_sum(float *restrict v, int64_t n, float m) {
@@ -146,18 +148,20 @@ int kiln_attn_dscores(void *p, int dt, const float *dp, const float *delta, int 
 #include <immintrin.h>
 #define ABT_ROWS 8     /* rows of a register tile: 8 x 32 fp32 accumulators, 16 of the 32 zmm registers */
 
-/* c[rows x ncols] (row stride ldc) = a[8 x kend pairs] . bp[kend pairs x np], the columns j0 .. j0 + 32 of bp;
- * a's rows are kp pairs apart */
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) static void abt_tile(const uint32_t *a, int64_t kp,
-                                                                           int64_t kend, const uint32_t *bp,
-                                                                           int64_t np, float *c, int64_t ldc,
-                                                                           int rows, int64_t ncols) {
+/* c[rows x ncols] (row stride ldc, fp32, or rounded to bf16 where c_bf16) = a[8 x pairs kbeg .. kend] .
+ * bp[the same pairs x np], the columns j0 .. j0 + 32 of bp; a's pair p of row r is a[r * ars + p * aps] */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void abt_tile(const uint32_t *a, int64_t ars,
+                                                                                    int64_t aps, int64_t kbeg,
+                                                                                    int64_t kend,
+                                                                                    const uint32_t *bp, int64_t np,
+                                                                                    void *c, int c_bf16, int64_t ldc,
+                                                                                    int rows, int64_t ncols) {
     __m512 acc[ABT_ROWS][2];
     for (int r = 0; r < ABT_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < kend; p++) {
+    for (int64_t p = kbeg; p < kend; p++) {
         __m512i b0 = _mm512_loadu_si512(bp + p * np), b1 = _mm512_loadu_si512(bp + p * np + 16);
         for (int r = 0; r < ABT_ROWS; r++) {
-            __m512i av = _mm512_set1_epi32((int)a[r * kp + p]);
+            __m512i av = _mm512_set1_epi32((int)a[r * ars + p * aps]);
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)av, (__m512bh)b0);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)av, (__m512bh)b1);
         }
@@ -165,8 +169,15 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) static void abt_tile(cons
     __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
     __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
     for (int r = 0; r < rows; r++) {
-        _mm512_mask_storeu_ps(c + r * ldc, m0, acc[r][0]);
-        _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);
+        if (c_bf16) {           /* round to nearest even, as ATen rounds a bf16 product's fp32 sums */
+            uint16_t *row = (uint16_t *)c + r * ldc;
+            _mm256_mask_storeu_epi16(row, m0, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
+            _mm256_mask_storeu_epi16(row + 16, m1, (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
+        } else {
+            float *row = (float *)c + r * ldc;
+            _mm512_mask_storeu_ps(row, m0, acc[r][0]);
+            _mm512_mask_storeu_ps(row + 16, m1, acc[r][1]);
+        }
     }
 }
 
@@ -192,19 +203,47 @@ static void abt_pack(const uint16_t *b, int64_t rs, int kn, int64_t n, int64_t k
     }
 }
 
-/* a: g x m x k, element (h, i, c) at a[h * a_hs + i * a_rs + c]; b: g x n x k at b[h * b_hs + j * b_rs + c], or
- * (b_kn) g x k x n at b[h * b_hs + c * b_rs + j]; c: g x m x n dense */
-int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, const uint16_t *b, int64_t b_hs, int64_t b_rs,
-                  int b_kn, int causal, float *c, int64_t g, int64_t m, int64_t n, int64_t k, int threads) {
-    if (k <= 0 || k > (1 << 20)) return 2;
+/* a's tile of rows i0 .. i0 + rows as pairs, zero past k and past `rows`, pairs kbeg .. kp of it; A (m x k) is a,
+ * or (a_t) a given as k x m. Row-major a: at[r * kp + p] = (A[i0 + r][2p], A[i0 + r][2p + 1]), its rows copied
+ * whole; a_t: pair-major, at[p * 8 + r], each pair of a's rows interleaved 8 columns at a time. */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void abt_pack_rows(const uint16_t *a, int64_t a_rs,
+                                                                              int a_t, int64_t i0, int rows,
+                                                                              int64_t k, int64_t kbeg, uint32_t *at) {
+    int64_t kp = (k + 1) / 2;
+    if (!a_t) {
+        uint16_t *h = (uint16_t *)at;
+        memset(at, 0, (size_t)(ABT_ROWS * kp) * sizeof(uint32_t));
+        for (int r = 0; r < rows; r++) memcpy(h + r * kp * 2, a + (i0 + r) * a_rs, (size_t)k * 2);
+        return;
+    }
+    __mmask8 live = (__mmask8)((1u << rows) - 1);
+    for (int64_t p = kbeg; p < kp; p++) {
+        const uint16_t *lo = a + 2 * p * a_rs + i0;
+        __m128i l = _mm_maskz_loadu_epi16(live, lo);
+        __m128i h = 2 * p + 1 < k ? _mm_maskz_loadu_epi16(live, lo + a_rs) : _mm_setzero_si128();
+        _mm_storeu_si128((__m128i *)(at + p * ABT_ROWS), _mm_unpacklo_epi16(l, h));
+        _mm_storeu_si128((__m128i *)(at + p * ABT_ROWS + 4), _mm_unpackhi_epi16(l, h));
+    }
+}
+
+/* a: g x m x k, element (h, i, c) at a[h * a_hs + i * a_rs + c], or (a_t) g x k x m at a[h * a_hs + c * a_rs + i];
+ * b: g x n x k at b[h * b_hs + j * b_rs + c], or (b_kn) g x k x n at b[h * b_hs + c * b_rs + j]; c: g x m x n
+ * dense, fp32 or (c_bf16) bf16. `causal`: a b^T's entries j > i are 0 (not computed); a b (b_kn) sums row i over
+ * c <= i; a^T b (a_t, b_kn: a's k x m holds probabilities or their gradients, 0 for key i > query c) sums row i
+ * over c >= i. a_t needs b_kn. */
+int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, int a_t, const uint16_t *b, int64_t b_hs,
+                  int64_t b_rs, int b_kn, int causal, void *c, int c_bf16, int64_t g, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    if (k <= 0 || k > (1 << 20) || (a_t && !b_kn)) return 2;
     /* k padded to pairs (a zero last element when odd); n to whole tiles of 32 columns */
     int64_t kp = (k + 1) / 2, np = (n + 31) / 32 * 32, tiles = (m + ABT_ROWS - 1) / ABT_ROWS;
+    size_t esize = c_bf16 ? 2 : 4;
     int bad = 0;
 #pragma omp parallel num_threads(threads) reduction(| : bad)
     {
         /* the matrix in hand's b as pairs; a's tile of rows as pairs, zero-padded to whole pairs and 8 rows */
         uint32_t *bp = malloc((size_t)(np * kp) * sizeof(uint32_t));
-        uint16_t *at = malloc((size_t)(ABT_ROWS * kp * 2) * sizeof(uint16_t));
+        uint32_t *at = malloc((size_t)(ABT_ROWS * kp) * sizeof(uint32_t));
         int64_t packed = -1;
         if (!bp || !at) bad = 1;
 #pragma omp for schedule(static, 1)  /* tiles dealt out in turn: causal ones grow along a head */
@@ -216,17 +255,19 @@ int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, const uint16_t 
                 packed = h;
             }
             int rows = m - i0 < ABT_ROWS ? (int)(m - i0) : ABT_ROWS;
-            memset(at, 0, (size_t)(ABT_ROWS * kp * 2) * sizeof(uint16_t));
-            for (int r = 0; r < rows; r++) memcpy(at + r * kp * 2, a + h * a_hs + (i0 + r) * a_rs, (size_t)k * 2);
-            float *ch = c + (h * m + i0) * n;
             int64_t last = i0 + rows - 1;       /* causal: the tile's last query sees keys 0 .. last */
-            int64_t kend = causal && b_kn && last + 1 < k ? (last + 2) / 2 : kp;
+            /* the pairs summed: a b sums up to the tile's last query, a^T b from its first key */
+            int64_t kbeg = causal && a_t ? (i0 / 2 < kp ? i0 / 2 : kp) : 0;
+            int64_t kend = causal && b_kn && !a_t && last + 1 < k ? (last + 2) / 2 : kp;
+            abt_pack_rows(a + h * a_hs, a_rs, a_t, i0, rows, k, kbeg, at);
+            char *ch = (char *)c + (size_t)(h * m + i0) * n * esize;
             for (int64_t j0 = 0; j0 < n; j0 += 32) {
                 if (causal && !b_kn && j0 > last) {
-                    for (int r = 0; r < rows; r++) memset(ch + r * n + j0, 0, (size_t)(n - j0) * sizeof(float));
+                    for (int r = 0; r < rows; r++) memset(ch + (r * n + j0) * esize, 0, (size_t)(n - j0) * esize);
                     break;
                 }
-                abt_tile((const uint32_t *)at, kp, kend, bp + j0, np, ch + j0, n, rows, n - j0);
+                abt_tile(at, a_t ? 1 : kp, a_t ? ABT_ROWS : 1, kbeg, kend, bp + j0, np, ch + j0 * esize, c_bf16, n,
+                         rows, n - j0);
             }
         }
         free(bp);
@@ -237,10 +278,11 @@ int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, const uint16_t 
 #else
 int kiln_bf16_abt_built(void) { return 0; }
 
-int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, const uint16_t *b, int64_t b_hs, int64_t b_rs,
-                  int b_kn, int causal, float *c, int64_t g, int64_t m, int64_t n, int64_t k, int threads) {
-    (void)a, (void)a_hs, (void)a_rs, (void)b, (void)b_hs, (void)b_rs, (void)b_kn, (void)causal, (void)c, (void)g,
-        (void)m, (void)n, (void)k, (void)threads;
+int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, int a_t, const uint16_t *b, int64_t b_hs,
+                  int64_t b_rs, int b_kn, int causal, void *c, int c_bf16, int64_t g, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    (void)a, (void)a_hs, (void)a_rs, (void)a_t, (void)b, (void)b_hs, (void)b_rs, (void)b_kn, (void)causal, (void)c,
+        (void)c_bf16, (void)g, (void)m, (void)n, (void)k, (void)threads;
     return 4;
 }
 #endif

@@ -125,51 +125,74 @@ def test_either_forward_feeds_either_backward(dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
+def _operands(layout: str, m: int, n: int, k: int, causal: bool = False):
+    """bf16 (a, b) for `_products` in `layout` ("abt": a @ b^T, "kn": a @ b, "at": a^T @ b) and the product's
+    float64 operands (m x k, k x n per matrix). Causal: scores' queries i, keys j; for kn a holds probabilities
+    (queries m x keys k, 0 past the diagonal), for at their transpose's source (queries k x keys m, 0 past it)."""
+    if layout == "abt":
+        a = torch.randn(3, m, k + 5).to(torch.bfloat16)[:, :, 2:k + 2]       # rows 5 elements apart
+        b = torch.randn(3, n, k).to(torch.bfloat16)
+        return a, b, a.double(), b.double().transpose(1, 2)
+    if layout == "kn":
+        a = torch.randn(3, m, k + 5)[:, :, 2:k + 2]
+        a = (a.tril() if causal else a).to(torch.bfloat16)
+        b = torch.randn(3, k, n).to(torch.bfloat16)
+        return a, b, a.double(), b.double()
+    a = torch.randn(3, k, m + 5)[:, :, 2:m + 2]                                 # (queries k, keys m)
+    a = (a.tril() if causal else a).to(torch.bfloat16)
+    b = torch.randn(3, k, n).to(torch.bfloat16)
+    return a, b, a.double().transpose(1, 2), b.double()
+
+
+def _bound(ad, bd, k):
+    return k * torch.finfo(torch.float32).eps * torch.bmm(ad.abs(), bd.abs())
+
+
 @pytest.mark.parametrize("m,n,k", [(40, 40, 16), (37, 53, 64), (8, 32, 2), (9, 33, 7), (256, 64, 197), (1, 1, 1)])
-@pytest.mark.parametrize("kn", [False, True])
-def test_bf16_products_are_fp32_accurate(m, n, k, kn):
+@pytest.mark.parametrize("layout", ["abt", "kn", "at"])
+def test_bf16_products_are_fp32_accurate(m, n, k, layout):
     """kiln_bf16_abt against float64, within the error bound of an fp32 dot product of length k (|error| at
-    most k eps |a| |b|; row and column tails, odd k, strided rows, b given either way round)."""
+    most k eps |a| |b|; row and column tails, odd k, strided rows, either operand given either way round); a
+    bf16 `out` gets those fp32 sums rounded once."""
     lib = native.bf16_products()
     if lib is None:
         pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
     torch.manual_seed(0)
-    a = torch.randn(3, m, k + 5).to(torch.bfloat16)[:, :, 2:k + 2]            # rows 5 elements apart
-    b = torch.randn(3, k, n).to(torch.bfloat16) if kn else torch.randn(3, n, k).to(torch.bfloat16)
-    got = attention._products(a, b, kn=kn)
-    bt = (b if kn else b.transpose(1, 2)).double()
-    exact = torch.bmm(a.double(), bt)
-    bound = k * torch.finfo(torch.float32).eps * torch.bmm(a.double().abs(), bt.abs())
+    a, b, ad, bd = _operands(layout, m, n, k)
+    flags = dict(kn=layout == "kn", at=layout == "at")
+    got = attention._products(a, b, **flags)
+    exact = torch.bmm(ad, bd)
     assert got.dtype == torch.float32 and got.shape == (3, m, n)
-    assert ((got.double() - exact).abs() <= bound).all(), (got.double() - exact).abs().max()
-    a[0, 0, 0] = float("nan")                      # NaN stays NaN (no flush to a number)
-    assert attention._products(a, b, kn=kn)[0, 0].isnan().all()
+    assert ((got.double() - exact).abs() <= _bound(ad, bd, k)).all(), (got.double() - exact).abs().max()
+    rounded = torch.full((3, m, n), float("nan"), dtype=torch.bfloat16)
+    assert torch.equal(attention._products(a, b, out=rounded, **flags), got.to(torch.bfloat16))
+    a[0, 0, 0] = float("nan")                      # in the product's row 0 for every layout
+    assert attention._products(a, b, **flags)[0, 0].isnan().all()     # NaN stays NaN (no flush to a number)
 
 
-@pytest.mark.parametrize("m,n,k", [(40, 40, 16), (37, 53, 64), (9, 33, 7), (256, 256, 64), (70, 30, 5)])
-@pytest.mark.parametrize("kn", [False, True])
-def test_causal_bf16_products_skip_only_what_the_mask_makes_irrelevant(m, n, k, kn):
+@pytest.mark.parametrize("m,n,k", [(40, 40, 16), (37, 53, 64), (9, 33, 7), (256, 256, 64), (70, 30, 5), (30, 20, 70)])
+@pytest.mark.parametrize("layout", ["abt", "kn", "at"])
+def test_causal_bf16_products_skip_only_what_the_mask_makes_irrelevant(m, n, k, layout):
     """With `causal` (query i sees keys j <= i): scores a @ b^T are fp32-accurate for j <= i and a finite
     number (0 where a tile was skipped) above the diagonal, whatever `out` held, since dS = P * (dP - delta)
-    multiplies them by a probability of 0; probabilities a (zero past the diagonal) times b equal the whole
-    product."""
+    multiplies them by a probability of 0; probabilities (zero past the diagonal) times b (kn: dO's, rows over
+    keys) and their transpose times b (at: dV = P^T dO, dK = dS^T q, each key's sum over the queries that see
+    it) equal the whole product, in fp32 and rounded to bf16."""
     lib = native.bf16_products()
     if lib is None:
         pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
     torch.manual_seed(0)
-    if kn:                                               # a: (g, queries m, keys k), b: (g, keys k, n)
-        a = torch.randn(3, m, k).tril().to(torch.bfloat16)
-        b = torch.randn(3, k, n).to(torch.bfloat16)
-    else:                                                # a: (g, queries m, k), b: (g, keys n, k)
-        a, b = torch.randn(3, m, k).to(torch.bfloat16), torch.randn(3, n, k).to(torch.bfloat16)
+    a, b, ad, bd = _operands(layout, m, n, k, causal=True)
+    flags = dict(kn=layout == "kn", at=layout == "at")
     out = torch.full((3, m, n), float("nan"))
-    got = attention._products(a, b, out=out, kn=kn, causal=True)
-    bt = (b if kn else b.transpose(1, 2)).double()
-    exact = torch.bmm(a.double(), bt)
-    bound = k * torch.finfo(torch.float32).eps * torch.bmm(a.double().abs(), bt.abs())
-    counted = torch.ones(m, n, dtype=torch.bool) if kn else torch.ones(m, n, dtype=torch.bool).tril()
+    got = attention._products(a, b, out=out, causal=True, **flags)
+    exact = torch.bmm(ad, bd)
+    counted = torch.ones(m, n, dtype=torch.bool) if layout != "abt" else torch.ones(m, n, dtype=torch.bool).tril()
     err = (got.double() - exact).abs()
-    assert (err <= bound)[:, counted].all(), err[:, counted].max()
+    assert (err <= _bound(ad, bd, k))[:, counted].all(), err[:, counted].max()
     assert torch.isfinite(got).all()
-    if not kn and m >= 64 and n >= 64:
+    if layout != "abt":
+        whole = attention._products(a, b, out=torch.empty(3, m, n, dtype=torch.bfloat16), **flags)
+        assert torch.equal(attention._products(a, b, out=torch.empty_like(whole), causal=True, **flags), whole)
+    elif m >= 64 and n >= 64:
         assert (got[:, :8, 32:] == 0).all()              # the first row tile's keys past 31 were not computed

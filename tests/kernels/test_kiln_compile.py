@@ -132,3 +132,35 @@ def test_registered_as_one_op_with_a_kernel(name):
     # the only other provider: fp32-copy kernels for low-precision matmul-class ops (`upcast` dialect)
     assert set(impls) - {"kiln"} <= ({"upcast"} if op.cast is Cast.LOWER else set())
     assert dialect_registry.DIALECTS["kiln"].priority == 5
+
+
+class _TanhGeluMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 48), torch.nn.Linear(48, 16)
+
+    def forward(self, x, y):
+        h = torch.nn.functional.gelu(self.up(x), approximate="tanh")
+        return torch.nn.functional.mse_loss(self.down(h), y)
+
+
+@pytest.mark.parametrize("dialects", [None, ["aten"]], ids=["kiln", "aten-only"])
+def test_tanh_gelu_runs_the_native_loop_and_trains_like_eager(dialects):
+    """aten.gelu(approximate="tanh") and its backward take the `kiln` dialect's single-pass loops (where the
+    native library builds) and train as eager PyTorch does; with the dialect off, ATen's kernels run."""
+    from kiln.kernels import native
+    torch.manual_seed(0)
+    model = _TanhGeluMLP()
+    ref = copy.deepcopy(model)
+    args = (torch.randn(32, 16), torch.randn(32, 16))
+    step, got = _train_kiln(model, args, steps=3, dialects=dialects)
+    want = _train_eager(ref, lambda m, *a: m(*a), args, steps=3)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), **TOL)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+    chosen = {n.op.name: n.impl.label for n in step.graph.nodes if n.op.name in ("aten.gelu", "aten.gelu_backward")}
+    assert set(chosen) == {"aten.gelu", "aten.gelu_backward"}, chosen
+    if dialects is None and native.library() is not None:
+        assert chosen == {"aten.gelu": "kiln:gelu_tanh", "aten.gelu_backward": "kiln:gelu_tanh_backward"}, chosen
+    elif dialects is not None:
+        assert set(chosen.values()) == {"aten"}, chosen

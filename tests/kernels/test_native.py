@@ -168,6 +168,43 @@ def test_swiglu_extremes_and_nan():
     assert torch.isfinite(gg[0, :-1]).all() and torch.isfinite(gu[0, :-1]).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_tanh_forward_backward(dtype, monkeypatch):
+    """GELU's tanh approximation (x * sigmoid(2u) in the loop) against float64 truth and ATen's gelu; a length
+    that is no multiple of the loop's 2048-value blocks, and in place (linear_gelu writes over its product)."""
+    from kiln.kernels import activations
+    torch.manual_seed(0)
+    x = (torch.randn(3, 2500) * 4).to(dtype)
+    grad = torch.randn(3, 2500).to(dtype)
+    xd, gd = x.double().requires_grad_(), grad.double()
+    want = F.gelu(xd, approximate="tanh")
+    want.backward(gd)
+    calls = _used(monkeypatch, "kiln_gelu_tanh")
+    _compare(lambda: activations.gelu(x, "tanh"), (want.detach(),))
+    calls_b = _used(monkeypatch, "kiln_gelu_tanh_backward")
+    _compare(lambda: activations.gelu_backward(grad, x, "tanh"), (xd.grad,))
+    assert calls and calls_b
+    inplace = x.clone()
+    assert activations.gelu(inplace, "tanh", out=inplace) is inplace
+    assert torch.equal(inplace, activations.gelu(x, "tanh"))
+    inplace = grad.clone()
+    activations.gelu_backward(inplace, x, "tanh", out=inplace)
+    assert torch.equal(inplace, activations.gelu_backward(grad, x, "tanh"))
+
+
+def test_gelu_tanh_extremes_and_nan():
+    """The tails (exp over- and underflow inside the sigmoid) agree with ATen's gelu to within 1e-20 (far out on
+    the negative side ATen's 1 + tanh(u) is exactly 0 where x * sigmoid(2u) is a tiny number); NaN stays NaN."""
+    from kiln.kernels import activations
+    x = torch.tensor([[-1e4, -100.0, -20.0, -9.0, -1e-30, 0.0, 1e-30, 9.0, 20.0, 100.0, 1e4, float("nan")]])
+    got, want = activations.gelu(x, "tanh"), F.gelu(x, approximate="tanh")
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-20, equal_nan=True)
+    g = activations.gelu_backward(torch.ones_like(x), x, "tanh")
+    assert torch.allclose(g, torch.ops.aten.gelu_backward(torch.ones_like(x), x, approximate="tanh"), rtol=1e-5,
+                          atol=1e-20, equal_nan=True)
+    assert torch.isnan(got[0, -1]) and torch.isnan(g[0, -1]) and torch.isfinite(g[0, :-1]).all()
+
+
 def test_rms_norm_nan_propagates():
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     x[1, 3] = float("nan")
