@@ -5,9 +5,11 @@ A few steps run under `torch.profiler` and each profiler event's *self* time (it
 goes to one category, so nothing is counted twice and the categories add up to the traced time:
 
 - matmul: ATen's matrix products (`mm`, `addmm`, `bmm`, `baddbmm`, oneDNN linear and convolution), wherever
-  they are called from: eager, torch.compile's extern kernels, Kiln's kernels (the fused loss's three
-  products count here, as the lm_head's do in the other modes);
-- attention: the fused attention ops (flash, efficient, math sdpa) and what they call;
+  they are called from outside attention: eager, torch.compile's extern kernels, Kiln's kernels (the fused
+  loss's three products count here, as the lm_head's do in the other modes);
+- attention: the attention ops (flash, efficient, math sdpa; Kiln's attention kernels) and everything they
+  call, products included (ATen's flash kernels do their products inside, where the profiler cannot tell
+  them apart, so Kiln's count here too);
 - fused: generated and hand-fused kernels: torch.compile's compiled regions (the time of its generated C++,
   which the profiler sees as the region's own), Kiln's Inductor regions and the non-matmul work of Kiln's
   kernels (`kiln::...` ops);
@@ -15,6 +17,11 @@ goes to one category, so nothing is counted twice and the categories add up to t
 - optimizer: `torch.optim` steps and the fused optimizer kernels (`_fused_adamw_`, `_foreach_*`);
 - other: every other ATen op (elementwise and reductions left unfused, copies, embedding, losses);
 - untraced: the step's time outside any op: Python, dispatch, and kernels the profiler cannot see.
+
+Kiln's dialect kernels and its step's commit (where the update kernels staged by the optimizer ops run) are
+profiler events of their own while a profiler records (`kiln.kernel:<kind>:<op> (<dialect>:<name>)`,
+kiln/dialects/registry.py; `kiln.kernel:optimizer:commit`, kiln/transaction.py), so the native loops inside
+them count in their op's category, not as untraced time.
 
 Eager, torch.compile and Kiln steps are split by the same rules, so a category's ratio between two modes is
 the gap there. (`kiln.explain(step, profile=True)` splits Kiln's step by its own ops instead, timed one by one
@@ -31,8 +38,8 @@ _MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addm
            "aten::mkldnn_convolution", "aten::_convolution", "aten::convolution_backward", "aten::mkldnn_linear",
            "mkldnn::_linear_pointwise", "aten::_int_mm", "aten::mv", "aten::dot", "aten::addmv"}
 _ATTENTION = ("attention", "flash", "sdpa")
-_OPTIMIZER = ("Optimizer.", "aten::_fused_adam", "aten::_fused_sgd", "aten::_foreach_")
-_FUSED = ("kiln::", "kiln.region", "CompiledFunction", "Torch-Compiled Region", "## Call CompiledFxGraph",
+_OPTIMIZER = ("Optimizer.", "aten::_fused_adam", "aten::_fused_sgd", "aten::_foreach_", "kiln.kernel:optimizer:")
+_FUSED = ("kiln::", "kiln.region", "kiln.kernel", "CompiledFunction", "Torch-Compiled Region", "## Call CompiledFxGraph",
           "cpp_fused", "inductor")
 _CASTS = {"aten::_to_copy"}
 
@@ -42,10 +49,10 @@ def category(name: str, ancestors: Iterable[str]) -> str:
     chain = [name, *ancestors]
     if any(n.startswith(_OPTIMIZER) for n in chain):
         return "optimizer"
-    if name in _MATMUL:
-        return "matmul"
     if any(a in n.lower() for n in chain for a in _ATTENTION):
         return "attention"
+    if name in _MATMUL:
+        return "matmul"
     if name == STEP_EVENT:
         return "untraced"
     if any(n.startswith(_FUSED) or "cpp_fused" in n for n in chain):
@@ -55,25 +62,33 @@ def category(name: str, ancestors: Iterable[str]) -> str:
     return "other"
 
 
-def split_events(events) -> dict[str, float]:
+def split_events(events, skip: int = 0) -> dict[str, float]:
     """Self seconds per category over profiler `events` (torch.autograd.profiler FunctionEvents), counting
-    only the events inside a STEP_EVENT (the step, not the profiler's own setup)."""
+    only the events inside a STEP_EVENT (the step, not the profiler's own setup), less the first `skip` steps."""
+    steps = sorted((e for e in events if e.name == STEP_EVENT and e.cpu_parent is None), key=lambda e: e.time_range.start)
+    skipped = {id(e) for e in steps[:skip]}
     out = dict.fromkeys(CATEGORIES, 0.0)
     for e in events:
-        names, parent = [], e.cpu_parent
+        names, parent, top = [], e.cpu_parent, e
         while parent is not None:
             names.append(parent.name)
-            parent = parent.cpu_parent
-        if e.name != STEP_EVENT and STEP_EVENT not in names:
+            top, parent = parent, parent.cpu_parent
+        if top.name != STEP_EVENT or id(top) in skipped:
             continue
         out[category(e.name, names)] += e.self_cpu_time_total / 1e6
     return out
 
 
-def profile_split(step: Callable[[], object], steps: int = 3) -> dict:
-    """Run `step` (a zero-argument callable that finishes its work before returning) `steps` times under
-    torch.profiler; returns {"per_step_s": {category: seconds per step}, "traced_s": seconds per step the
-    categories add up to, "wall_s": the median step's wall-clock seconds}."""
+def profile_split(step: Callable[[], object], steps: int = 3, warmup: int = 2) -> dict:
+    """Run `step` (a zero-argument callable that finishes its work before returning) `warmup` + `steps` times
+    under torch.profiler and split the last `steps`; returns {"per_step_s": {category: seconds per step},
+    "traced_s": seconds per step the categories add up to, "wall_s": the median step's wall-clock seconds,
+    "faults_per_step": minor page faults per step}.
+
+    The warm-up steps are profiled but not counted: the profiler's own allocations, made between the step's,
+    leave the heap's free memory in pieces, and the first profiled steps page-fault new memory inside whichever
+    op allocates next (measured on the Llama bench model: 3-14 thousand faults a step, 30-90 ms, none in the
+    steps timed without the profiler). Faults left after the warm-up are reported, not hidden."""
     import statistics
     import time
 
@@ -82,17 +97,29 @@ def profile_split(step: Callable[[], object], steps: int = 3) -> dict:
 
     if steps < 1:
         raise ValueError(f"profile_split needs at least one step, got {steps}")
-    walls = []
+    walls, faults = [], 0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
+        for i in range(warmup + steps):
+            before = _faults()
             t = time.perf_counter()
             with record_function(STEP_EVENT):
                 step()
-            walls.append(time.perf_counter() - t)
-    totals = split_events(prof.events())
+            if i >= warmup:
+                walls.append(time.perf_counter() - t)
+                faults += _faults() - before
+    totals = split_events(prof.events(), skip=warmup)
     per_step = {k: v / steps for k, v in totals.items()}
     return {"per_step_s": per_step, "traced_s": sum(per_step.values()), "wall_s": statistics.median(walls),
-            "steps": steps}
+            "steps": steps, "faults_per_step": faults // steps}
+
+
+def _faults() -> int:
+    """Minor page faults of this process so far (0 where the platform does not count them)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def peer_step(model, kind: str, batch: dict, amp: str | None = None, lr: float = 1e-3) -> Callable[[], object]:
@@ -128,6 +155,7 @@ def render(results: dict[str, dict]) -> str:
     rows = [[c] + [f"{results[m]['per_step_s'][c] * 1e3:.1f}" for m in modes] for c in CATEGORIES]
     rows.append(["traced total"] + [f"{results[m]['traced_s'] * 1e3:.1f}" for m in modes])
     rows.append(["wall (profiled)"] + [f"{results[m]['wall_s'] * 1e3:.1f}" for m in modes])
+    rows.append(["page faults"] + [str(results[m].get("faults_per_step", "-")) for m in modes])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     lines = ["Where each step's time goes (ms per step, self time of torch.profiler events, kiln/bench/split.py):",

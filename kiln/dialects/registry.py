@@ -61,8 +61,8 @@ class Impl:
         if (self.kernel is None or not self.fallback or self.dialect.name == "aten"
                 or not isinstance(self.target, OpOverload) or self.kernel is self.target
                 or lookup(self.target).side_effects):
-            return self.kernel
-        return _with_fallback(self)
+            return _profiled(self, self.kernel)
+        return _profiled(self, _with_fallback(self))
 
     @property
     def label(self) -> str:
@@ -142,6 +142,36 @@ def kernel(d: Dialect, target: Any, fn: Callable, checker=None, priority: int = 
     the node's shapes on this machine (`kiln.dialects.measure`, timed once per machine)."""
     return _add(Impl(d, target, kernel=fn, checker=checker or (lambda n: True), priority=priority, name=name,
                      fallback=fallback, measured=measured))
+
+
+PROFILE_EVENT = "kiln.kernel"       # what a profiled step calls a dialect kernel's call (kiln/bench/split.py)
+
+
+def _profiled(impl: Impl, fn: Callable | None) -> Callable | None:
+    """`fn`, seen by torch.profiler as one event named after the op's kind, the op and the kernel
+    (`kiln.kernel:<kind>:<op> (<dialect>:<name>)`; an op outside Kiln's registry without a kind) while a
+    profiler records: work a kernel does outside ATen's
+    ops (native loops, Kiln's own optimizer) is then counted as that op's, not as untraced time. ATen's own ops
+    are seen by the profiler already. A check of a flag per call otherwise."""
+    import torch
+    from torch._ops import OpOverload, OpOverloadPacket
+
+    if fn is None or isinstance(fn, (OpOverload, OpOverloadPacket)):
+        return fn
+    from kiln.ops.registry import find
+    op = find(impl.target)
+    what = f"{op.kind.value}:{op.name}" if op is not None else str(getattr(impl.target, "__name__", impl.target))
+    event = f"{PROFILE_EVENT}:{what} ({impl.dialect.name}{':' + impl.name if impl.name else ''})"
+    profiling = torch.autograd._profiler_enabled
+
+    def run(*args, **kwargs):
+        if profiling():
+            with torch.profiler.record_function(event):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    run.__name__ = run.__qualname__ = getattr(fn, "__name__", "kernel")
+    return run
 
 
 def _with_fallback(impl: Impl) -> Callable:

@@ -145,6 +145,12 @@ def _target_name(t: Any) -> str:
     return str(t)
 
 
+def find(target: Any) -> OpDef | None:
+    """The registered OpDef for `target`, or None (nothing recorded either way, unlike `lookup`)."""
+    _ensure_loaded()
+    return _BY_TARGET.get(target)
+
+
 def lookup(target: Any) -> OpDef:
     """The OpDef for an ATen overload. Ops nobody registered get an OpDef with no VJP rule, so
     autodiff falls back to PyTorch autograd for them (logged, and shown by explain)."""

@@ -23,6 +23,16 @@ from kiln.bench.split import CATEGORIES, STEP_EVENT, category, profile_split, sp
     ("kiln.region:region0_add_mul", [STEP_EVENT], "fused"),
     ("aten::add", [STEP_EVENT], "other"),
     (STEP_EVENT, [], "untraced"),
+    # Kiln's dialect kernels and its commit, as a profiled step names them
+    ("aten::bmm", ["kiln.kernel:aten._scaled_dot_product_flash_attention_for_cpu_backward.default "
+                   "(attention:math_backward)", STEP_EVENT], "attention"),       # attention's own products
+    ("kiln.kernel:attention:aten._scaled_dot_product_flash_attention_for_cpu (attention:math_forward)", [STEP_EVENT],
+     "attention"),                                                                 # its native loops
+    ("aten::mm", ["kiln::linear_cross_entropy_grads", "kiln.kernel:loss:kiln.linear_cross_entropy_grads "
+                  "(kiln:linear_cross_entropy_grads)", STEP_EVENT], "matmul"),
+    ("kiln.kernel:norm:kiln.rms_norm (kiln:rms_norm)", [STEP_EVENT], "fused"),
+    ("kiln.kernel:optimizer:commit", [STEP_EVENT], "optimizer"),
+    ("kiln.kernel:optimizer:kiln.adamw_update_multi (aten:fused)", [STEP_EVENT], "optimizer"),
 ])
 def test_each_event_has_one_category(name, ancestors, want):
     assert category(name, ancestors) == want
@@ -62,3 +72,43 @@ def test_the_split_counts_exactly_the_profiled_steps():
     assert sum(total.values()) == pytest.approx(step.cpu_time_total / 1e6, rel=1e-6)
     assert total["matmul"] == pytest.approx(
         sum(e.self_cpu_time_total for e in prof.events() if e.name == "aten::mm" and e.cpu_parent is not None) / 1e6)
+
+
+def test_the_first_profiled_steps_can_be_left_out():
+    from torch.profiler import profile, record_function
+    a = torch.randn(64, 64)
+    with profile() as prof:
+        with record_function(STEP_EVENT):
+            torch.mm(a, a)
+        with record_function(STEP_EVENT):
+            a.add(1)
+    assert split_events(prof.events(), skip=1)["matmul"] == 0
+    assert split_events(prof.events(), skip=1)["other"] > 0
+    assert split_events(prof.events())["matmul"] > 0
+
+
+def test_a_kiln_steps_kernels_and_update_are_counted_in_their_categories_not_untraced():
+    """Kiln's attention kernel, its kernels' native loops and the commit running the staged AdamW update are
+    profiler events of their own (kiln.kernel:...): without them these would be untraced time."""
+    import transformers
+
+    import kiln
+    from torch.profiler import profile, record_function
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=64, max_position_embeddings=16)
+    cfg._attn_implementation = "sdpa"
+    ids = torch.randint(0, 64, (2, 12))
+    step = kiln.compile(transformers.LlamaForCausalLM(cfg), optimizer=kiln.optim.AdamW(lr=1e-3))
+    step(input_ids=ids, labels=ids)
+    with profile() as prof:
+        with record_function(STEP_EVENT):
+            step(input_ids=ids, labels=ids)
+    names = {e.name for e in prof.events()}
+    assert "kiln.kernel:optimizer:commit" in names
+    kernels = {n for n in names if n.startswith("kiln.kernel:")}
+    assert any("attention" in n for n in kernels), kernels
+    assert any(n.startswith("kiln.kernel:loss:") for n in kernels), kernels     # a Python kernel around native loops
+    got = split_events(prof.events())
+    assert got["attention"] > 0 and got["optimizer"] > 0
+    step(input_ids=ids, labels=ids)                       # not profiled: the same kernels, no events
