@@ -150,9 +150,9 @@ PROFILE_EVENT = "kiln.kernel"       # what a profiled step calls a dialect kerne
 def _profiled(impl: Impl, fn: Callable | None) -> Callable | None:
     """`fn`, seen by torch.profiler as one event named after the op's kind, the op and the kernel
     (`kiln.kernel:<kind>:<op> (<dialect>:<name>)`; an op outside Kiln's registry without a kind) while a
-    profiler records: work a kernel does outside ATen's
-    ops (native loops, Kiln's own optimizer) is then counted as that op's, not as untraced time. ATen's own ops
-    are seen by the profiler already. A check of a flag per call otherwise."""
+    profiler records: work a kernel does outside ATen's ops (native loops, Kiln's own optimizer) is then
+    counted as that op's, not as untraced time. ATen's own ops are seen by the profiler already. A check of a
+    flag per call otherwise."""
     import torch
     from torch._ops import OpOverload, OpOverloadPacket
 
