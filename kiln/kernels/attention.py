@@ -115,6 +115,9 @@ def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, 
                        attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor]:
     scale, mask, lib = _setup("flash_forward_math", q, k, dropout_p, is_causal, attn_mask, scale, v)
     b, h, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    fused = _bf16_products() if lib is not None and s > 0 else None
+    if fused is not None and q.dtype == k.dtype == v.dtype == torch.bfloat16:
+        return _forward_bf16(fused, q, k, v, None if is_causal else mask, is_causal, scale)
     out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype)     # ATen's flash output is dense too
     lse = torch.empty(b, h, t, dtype=torch.float32)
     # unnormalized probabilities exp(z - max) (the largest exactly 1), in bf16 where the products take bf16,
@@ -144,12 +147,33 @@ def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, 
     return out, lse
 
 
+def _forward_bf16(lib, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    """The bf16 forward as one native pass (`kiln_attn_forward_bf16`): for each head and 8 of its queries at a
+    time, the head-group loop's products, row pass and scaling, the same arithmetic in the same order, with the
+    8 queries' scores and probabilities in cache instead of a (heads x queries x keys) buffer between them."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    b, h, t, d = q.shape
+    s, dv = k.shape[2], v.shape[3]
+    out = torch.empty(b, h, t, dv, dtype=q.dtype)
+    lse = torch.empty(b, h, t, dtype=torch.float32)
+    native.check(lib.kiln_attn_forward_bf16(
+        native.ptr(q), native.strides(q), native.ptr(k), native.strides(k), native.ptr(v), native.strides(v),
+        native.ptr(mask), native.strides(mask), int(is_causal), native.ptr(out), native.ptr(lse), b, h, t, s, d, dv,
+        scale, native.threads()), "attention forward")
+    return out, lse
+
+
 def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
                         dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Tensor | None = None,
                         scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     scale, mask, lib = _setup("flash_backward_math", q, k, dropout_p, is_causal, attn_mask, scale, v, grad_out,
                               out)
     t, s = q.shape[2], k.shape[2]
+    fused = _bf16_products() if lib is not None and s > 0 else None
+    if fused is not None and q.dtype == k.dtype == v.dtype == grad_out.dtype == torch.bfloat16 and \
+            q.shape[0] * q.shape[1] >= native.threads():
+        return _backward_bf16(fused, grad_out, q, k, v, out, logsumexp, None if is_causal else mask, is_causal, scale)
     dq = torch.empty(q.shape, dtype=q.dtype)            # dense: each head group's slice is written in place
     dk, dv = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
     lse = logsumexp.float()
@@ -186,6 +210,25 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
             torch.bmm(ds, kg, out=dq[sl])
         _transposed_products(ds, qg, dk[sl], is_causal)
     return dq, dk, dv
+
+
+def _backward_bf16(lib, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
+                   mask: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The bf16 backward as one native pass (`kiln_attn_backward_bf16`), a head per thread (so at least as many
+    heads as threads): for 8 queries at a time the scores, probabilities and their gradients in cache, dQ rounded
+    once per tile, dK and dV summed in fp32 per head and rounded once at its end."""
+    delta = (grad_out.float() * out.float()).sum(-1)                     # (b, h, t), as the head-group loop's
+    grad_out, q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (grad_out, q, k, v))
+    b, h, t, d = q.shape
+    s, dv = k.shape[2], v.shape[3]
+    dq, dk, dvv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    lse = logsumexp.float().contiguous()
+    native.check(lib.kiln_attn_backward_bf16(
+        native.ptr(grad_out), native.strides(grad_out), native.ptr(q), native.strides(q), native.ptr(k),
+        native.strides(k), native.ptr(v), native.strides(v), native.ptr(lse), native.ptr(delta), native.ptr(mask),
+        native.strides(mask), int(is_causal), native.ptr(dq), native.ptr(dk), native.ptr(dvv), b, h, t, s, d, dv,
+        scale, native.threads()), "attention backward")
+    return dq, dk, dvv
 
 
 def _transposed_products(a: Tensor, b: Tensor, out: Tensor, is_causal: bool) -> None:

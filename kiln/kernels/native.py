@@ -49,6 +49,7 @@ OPS = ("rms_norm", "add_rms_norm", "rms_norm_backward", "rope", "rope_backward",
        "swiglu_linear", "swiglu_linear_backward", "softmax_cross_entropy", "softmax_cross_entropy_backward")
 
 _i64, _int, _dbl, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
+_i64s = ctypes.POINTER(ctypes.c_int64)      # an array of strides
 _SIGNATURES = {
     "kiln_rms_forward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _i64, _i64, _dbl,
                          _int],
@@ -71,6 +72,10 @@ _SIGNATURES = {
     "kiln_bf16_abt": [_ptr, _i64, _i64, _int, _ptr, _i64, _i64, _int, _int, _ptr, _int, _i64, _i64, _i64, _i64,
                       _int],
     "kiln_bf16_abt_built": [],
+    "kiln_attn_forward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _int, _ptr, _ptr, _i64, _i64, _i64,
+                               _i64, _i64, _i64, _dbl, _int],
+    "kiln_attn_backward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _ptr, _ptr, _i64s, _int, _ptr,
+                                _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _dbl, _int],
 }
 
 
@@ -202,6 +207,11 @@ def code(t: Tensor) -> int:
 
 def ptr(t: Optional[Tensor]):
     return None if t is None else t.data_ptr()
+
+
+def strides(t: Optional[Tensor]):
+    """t's strides as a C array of int64 (None for None)."""
+    return None if t is None else (ctypes.c_int64 * t.dim())(*t.stride())
 
 
 def threads() -> int:

@@ -12,7 +12,7 @@ import torch
 from kiln.dialects.sdpa import flash_backward
 from kiln.dialects.upcast import upcast_kernel
 from kiln.kernels import attention, native
-from tests.kernels.test_attention_forward import masks
+from tests.kernels.test_attention_forward import EDGES, masks
 
 aten = torch.ops.aten
 
@@ -67,6 +67,37 @@ def test_matches_float64_at_least_as_well_as_flash(dtype, mask_kind, native_on, 
                 f"{label} d{name}: {err_mine:.3g} against flash's {err_flash:.3g}"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", EDGES + [dict(t=300, s=300, d=64, dv=64)],
+                         ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()))
+def test_bf16_backward_at_the_edges_of_its_tiles(shape, causal):
+    """The one-pass bf16 backward (a head per thread; tiles of 8 queries, blocks of 32 for dK and dV, partial
+    ones; odd head dims; a value head dim of its own; causal with fewer queries than keys) against float64, as
+    close as ATen's flash backward where that runs (the same head dim), else within a few bf16 roundings."""
+    if native.bf16_products() is None:
+        pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
+    torch.manual_seed(2)
+    b, h, t, s, d, dv = 2, 3, shape["t"], shape["s"], shape["d"], shape["dv"]
+    q, k, v = [(torch.randn(b, n, h, e) * c).bfloat16().transpose(1, 2) for n, e, c in ((t, d, 2), (s, d, 2), (s, dv, 1))]
+    kind = shape.get("mask") if not causal else None
+    mask = {None: None, "bcast": torch.randn(t, s).bfloat16().expand(b, h, t, s),
+            "per-head": torch.randn(b, h, t, s).bfloat16(),
+            "bool": torch.zeros(b, h, t, s).masked_fill_(torch.rand(b, h, t, s) < 0.3, float("-inf")).bfloat16()}[kind]
+    out, lse = attention.flash_forward_math(q, k, v, 0.0, causal, attn_mask=mask)
+    g = torch.randn(out.shape).bfloat16()
+    got = attention.flash_backward_math(g, q, k, v, out, lse, 0.0, causal, attn_mask=mask)
+    truth = _truth(g, q, k, v, causal, mask)
+    flash = (aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal,
+                                                                        attn_mask=mask) if d == dv else None)
+    eps = torch.finfo(torch.bfloat16).eps
+    scale = max(x.abs().max().item() for x in truth)    # (one query seeing one key: dq is 0 but for rounding)
+    for i, (name, mine, exact) in enumerate(zip("qkv", got, truth)):
+        assert mine.shape == exact.shape and mine.dtype == torch.bfloat16 and mine.is_contiguous()
+        err = (mine.double() - exact).abs().max().item()
+        bound = (flash[i].double() - exact).abs().max().item() + 2 * eps * scale if flash else 8 * eps * scale
+        assert err <= bound, f"d{name}: {err:.3g} against {bound:.3g}"
+
+
 def test_head_groups_cover_every_head(monkeypatch):
     """Groups smaller than the heads (the cache-sized blocks): the result is the same as in one group."""
     args, kw = _case(torch.float32, "additive", h=5)
@@ -85,6 +116,11 @@ def test_a_fully_masked_row_gets_no_gradient_through_it():
     dq, dk, dv = attention.flash_backward_math(g, q, k, v, out, lse, 0.0, False)
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
     assert dq[0, 0, 3].abs().max() == 0
+    if native.bf16_products() is not None:          # the one-pass bf16 backward: the same
+        bf = [x.bfloat16() for x in (g, q, k, v, out)]
+        dq, dk, dv = attention.flash_backward_math(*bf, lse, 0.0, False)
+        assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+        assert dq[0, 0, 3].abs().max() == 0
 
 
 @pytest.mark.parametrize("amp", [None, "bf16"])

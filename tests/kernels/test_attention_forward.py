@@ -75,6 +75,10 @@ def test_matches_float64_as_well_as_flash(dtype, mask_kind, mode, monkeypatch):
     f_out, f_lse = _flash(q, k, v, kw["causal"], kw["mask"])
     t_out, t_lse = _truth(q, k, v, kw["causal"], kw["mask"])
     assert out.dtype == dtype and out.shape == f_out.shape and lse.dtype == torch.float32 and lse.shape == f_lse.shape
+    _as_accurate_as_flash(out, lse, f_out, f_lse, t_out, t_lse, dtype)
+
+
+def _as_accurate_as_flash(out, lse, f_out, f_lse, t_out, t_lse, dtype):
     eps = torch.finfo(dtype).eps
     for what, mine, theirs, exact in (("out", out, f_out, t_out), ("lse", lse, f_lse, t_lse)):
         err, flash_err = ((x.double() - exact).abs() for x in (mine, theirs))
@@ -83,6 +87,55 @@ def test_matches_float64_as_well_as_flash(dtype, mask_kind, mode, monkeypatch):
             f"{what}: {err.max():.3g} against flash's {flash_err.max():.3g}"
         assert err.mean() <= 1.25 * flash_err.mean() + eps * scale / 100, \
             f"{what}: mean {err.mean():.3g} against flash's {flash_err.mean():.3g}"
+
+
+# the one-pass bf16 forward's edges: tiles of 8 queries and 32 keys or values (partial ones), odd head dims (pairs
+# padded), a value head dim of its own, causal with fewer queries than keys, one query, masks broadcast over heads
+EDGES = [dict(t=1, s=7, d=64, dv=64), dict(t=13, s=45, d=5, dv=40, mask="bcast"), dict(t=33, s=70, d=16, dv=16),
+         dict(t=70, s=33, d=31, dv=9, mask="per-head"), dict(t=200, s=200, d=64, dv=64, mask="bool")]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", EDGES, ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()))
+def test_bf16_forward_at_the_edges_of_its_tiles(shape, causal, monkeypatch):
+    _mode("bf16-products", monkeypatch)
+    torch.manual_seed(1)
+    b, h, t, s, d, dv = 2, 3, shape["t"], shape["s"], shape["d"], shape["dv"]
+    q, k, v = [(torch.randn(b, n, h, e) * c).bfloat16().transpose(1, 2) for n, e, c in ((t, d, 2), (s, d, 2), (s, dv, 1))]
+    kind = shape.get("mask") if not causal else None
+    mask = {"bcast": lambda: torch.randn(t, s).bfloat16().expand(b, h, t, s), None: lambda: None,
+            "per-head": lambda: torch.randn(b, h, t, s).bfloat16(), "bool": lambda: torch.rand(b, h, t, s) > 0.3}[kind]()
+    out, lse = attention.flash_forward_math(q, k, v, 0.0, causal, attn_mask=mask)
+    t_out, t_lse = _truth(q, k, v, causal, mask)
+    assert out.shape == (b, h, t, dv) and out.is_contiguous() and lse.shape == (b, h, t)
+    if d == dv:
+        _as_accurate_as_flash(out, lse, *_flash(q, k, v, causal, mask), t_out, t_lse, torch.bfloat16)
+    # either way within a few bf16 roundings of float64 (the output is rounded once, from fp32 sums of bf16
+    # probabilities, each rounded once)
+    torch.testing.assert_close(out.double(), t_out, rtol=0, atol=8 * 2 ** -8 * t_out.abs().max().item())
+    torch.testing.assert_close(lse.double(), t_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_forward_keeps_a_nan_to_its_own_query():
+    """A NaN query gives NaN for that query's output and log-sum-exp only; an infinite value a non-finite output
+    column for the queries that see its key (and, as in eager's math attention, where a probability of 0 meets
+    it: 0 * inf), no other column."""
+    if native.bf16_products() is None:
+        pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
+    (q, k, v), _ = _inputs(torch.bfloat16, None)
+    q[0, 1, 9, 3] = float("nan")
+    v[1, 2, 20, 0] = float("inf")
+    for causal in (False, True):
+        out, lse = attention.flash_forward_math(q, k, v, 0.0, causal)
+        bad = torch.zeros(out.shape[:3], dtype=torch.bool)
+        bad[0, 1, 9] = True
+        assert torch.equal(lse.isnan(), bad) and out[bad].isnan().all()
+        seen = torch.zeros_like(bad)
+        seen[1, 2, 20 if causal else 0:] = True        # the queries that see key 20
+        other_heads = torch.ones_like(bad)
+        other_heads[1, 2] = False
+        assert (~torch.isfinite(out[..., 0]))[seen].all() and torch.isfinite(out[..., 0][other_heads & ~bad]).all()
+        assert torch.equal(~torch.isfinite(out[..., 1:]).all(-1), bad)
 
 
 @pytest.mark.parametrize("mode", MODES)
