@@ -171,7 +171,7 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
                               out)
     t, s = q.shape[2], k.shape[2]
     fused = _bf16_products() if lib is not None and s > 0 else None
-    if fused is not None and q.dtype == k.dtype == v.dtype == grad_out.dtype == torch.bfloat16 and \
+    if fused is not None and q.dtype == k.dtype == v.dtype == grad_out.dtype == out.dtype == torch.bfloat16 and \
             q.shape[0] * q.shape[1] >= native.threads():
         return _backward_bf16(fused, grad_out, q, k, v, out, logsumexp, None if is_causal else mask, is_causal, scale)
     dq = torch.empty(q.shape, dtype=q.dtype)            # dense: each head group's slice is written in place
@@ -215,19 +215,18 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
 def _backward_bf16(lib, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
                    mask: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """The bf16 backward as one native pass (`kiln_attn_backward_bf16`), a head per thread (so at least as many
-    heads as threads): for 8 queries at a time the scores, probabilities and their gradients in cache, dQ rounded
-    once per tile, dK and dV summed in fp32 per head and rounded once at its end."""
-    delta = (grad_out.float() * out.float()).sum(-1)                     # (b, h, t), as the head-group loop's
-    grad_out, q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (grad_out, q, k, v))
+    heads as threads): for 8 queries at a time rowsum(dO * O), the scores, probabilities and their gradients in
+    cache, dQ rounded once per tile, dK and dV summed in fp32 per head and rounded once at its end."""
+    grad_out, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (grad_out, q, k, v, out))
     b, h, t, d = q.shape
     s, dv = k.shape[2], v.shape[3]
     dq, dk, dvv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
     lse = logsumexp.float().contiguous()
     native.check(lib.kiln_attn_backward_bf16(
         native.ptr(grad_out), native.strides(grad_out), native.ptr(q), native.strides(q), native.ptr(k),
-        native.strides(k), native.ptr(v), native.strides(v), native.ptr(lse), native.ptr(delta), native.ptr(mask),
-        native.strides(mask), int(is_causal), native.ptr(dq), native.ptr(dk), native.ptr(dvv), b, h, t, s, d, dv,
-        scale, native.threads()), "attention backward")
+        native.strides(k), native.ptr(v), native.strides(v), native.ptr(out), native.strides(out), native.ptr(lse),
+        native.ptr(mask), native.strides(mask), int(is_causal), native.ptr(dq), native.ptr(dk), native.ptr(dvv), b, h,
+        t, s, d, dv, scale, native.threads()), "attention backward")
     return dq, dk, dvv
 
 

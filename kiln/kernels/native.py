@@ -74,8 +74,8 @@ _SIGNATURES = {
     "kiln_bf16_abt_built": [],
     "kiln_attn_forward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _int, _ptr, _ptr, _i64, _i64, _i64,
                                _i64, _i64, _i64, _dbl, _int],
-    "kiln_attn_backward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _ptr, _ptr, _i64s, _int, _ptr,
-                                _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _dbl, _int],
+    "kiln_attn_backward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _ptr, _i64s, _int,
+                                _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _dbl, _int],
 }
 
 

@@ -412,12 +412,13 @@ static void add_transposed(const uint16_t *x, int64_t xs, const uint16_t *y, int
  * again, P = exp(z - lse) and dP = dO v^T (fp32, in cache), dS = P (dP - delta) scale, dQ = dS k (rounded once),
  * and dV += P^T dO, dK += dS^T q in fp32 per head, rounded once at its end: kiln_bf16_abt, kiln_attn_probs and
  * kiln_attn_dscores's arithmetic (a causal head's dV and dK sum the queries' pairs in the same order as
- * kiln_bf16_abt's a_t form), with nothing (queries x keys)-sized in memory. Strides and layouts as
- * kiln_attn_forward_bf16's (g: dO, as q but dv wide); lse and delta (rowsum(dO * O)) fp32 (b, h, t) dense; dq,
- * dk, dv_ dense bf16. */
+ * kiln_bf16_abt's a_t form), with nothing (queries x keys)-sized in memory; delta = rowsum(dO * O) per query, in
+ * fp32. Strides and layouts as kiln_attn_forward_bf16's (g: dO and o: the forward's output, as q but dv wide);
+ * lse fp32 (b, h, t) dense; dq, dk, dv_ dense bf16. */
 int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t *q, const int64_t *qs,
-                            const uint16_t *k, const int64_t *ks, const uint16_t *v, const int64_t *vs, const float *lse,
-                            const float *delta, const float *mask, const int64_t *ms, int causal, uint16_t *dq,
+                            const uint16_t *k, const int64_t *ks, const uint16_t *v, const int64_t *vs, const uint16_t *o,
+                            const int64_t *os, const float *lse, const float *mask, const int64_t *ms, int causal,
+                            uint16_t *dq,
                             uint16_t *dk, uint16_t *dv_, int64_t b, int64_t h, int64_t t, int64_t s, int64_t d,
                             int64_t dv, double scale, int threads) {
     if (d <= 0 || dv <= 0 || s <= 0 || s > ROW_MAX || d > (1 << 16) || dv > (1 << 16)) return 2;
@@ -445,7 +446,7 @@ int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t
             if (bad) continue;
             int64_t bi = bh / h, hi = bh % h;
             const uint16_t *qh = q + bi * qs[0] + hi * qs[1], *kh = k + bi * ks[0] + hi * ks[1];
-            const uint16_t *gh = g + bi * gs[0] + hi * gs[1];
+            const uint16_t *gh = g + bi * gs[0] + hi * gs[1], *oh = o + bi * os[0] + hi * os[1];
             abt_pack(kh, ks[2], 0, s, d, kp, ns);
             abt_pack(v + bi * vs[0] + hi * vs[1], vs[2], 0, s, dv, vp, ns);
             abt_pack(kh, ks[2], 1, d, s, kk, nd);
@@ -473,8 +474,12 @@ int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t
                     abt_tile(gt, kv, 1, 0, kv, vp + j0, ns, st + j0, 0, ns, rows, s - j0);
                 for (int r = 0; r < rows; r++) {        /* dS, rounded to bf16 */
                     int64_t i = i0 + r, nc = causal && i + 1 < s ? i + 1 : s;
+                    const uint16_t *gr = gh + i * gs[2], *orow = oh + i * os[2];
+                    float delta = 0.0f;
+#pragma omp simd reduction(+ : delta)
+                    for (int64_t c = 0; c < dv; c++) delta += bf16_at(gr, c) * bf16_at(orow, c);
                     load(row, ph + r * 2 * ks2, BF16, nc);
-                    row_dscores(row, st + r * ns, delta[bh * t + i], sc, nc, row);
+                    row_dscores(row, st + r * ns, delta, sc, nc, row);
                     memset(row + nc, 0, (size_t)(2 * kend - nc) * sizeof(float));
                     store(dh + r * 2 * ks2, BF16, row, 2 * kend);
                 }
@@ -518,11 +523,12 @@ int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t 
 }
 
 int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t *q, const int64_t *qs,
-                            const uint16_t *k, const int64_t *ks, const uint16_t *v, const int64_t *vs, const float *lse,
-                            const float *delta, const float *mask, const int64_t *ms, int causal, uint16_t *dq,
+                            const uint16_t *k, const int64_t *ks, const uint16_t *v, const int64_t *vs, const uint16_t *o,
+                            const int64_t *os, const float *lse, const float *mask, const int64_t *ms, int causal,
+                            uint16_t *dq,
                             uint16_t *dk, uint16_t *dv_, int64_t b, int64_t h, int64_t t, int64_t s, int64_t d,
                             int64_t dv, double scale, int threads) {
-    (void)g, (void)gs, (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)lse, (void)delta, (void)mask,
+    (void)g, (void)gs, (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)o, (void)os, (void)lse, (void)mask,
         (void)ms, (void)causal, (void)dq, (void)dk, (void)dv_, (void)b, (void)h, (void)t, (void)s, (void)d, (void)dv,
         (void)scale, (void)threads;
     return 4;
