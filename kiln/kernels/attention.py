@@ -22,6 +22,7 @@ shapes.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -118,7 +119,7 @@ def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, 
     fused = _bf16_products() if lib is not None and s > 0 else None
     if fused is not None and q.dtype == k.dtype == v.dtype == torch.bfloat16:
         return _forward_bf16(fused, q, k, v, None if is_causal else mask, is_causal, scale)
-    out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype)     # ATen's flash output is dense too
+    out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype)
     lse = torch.empty(b, h, t, dtype=torch.float32)
     # unnormalized probabilities exp(z - max) (the largest exactly 1), in bf16 where the products take bf16,
     # times v into fp32, scaled by 1 / sum per row and rounded once, as the flash kernel does (normalized
@@ -155,12 +156,12 @@ def _forward_bf16(lib, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     b, h, t, d = q.shape
     s, dv = k.shape[2], v.shape[3]
-    out = torch.empty(b, h, t, dv, dtype=q.dtype)
+    out = torch.empty(b, t, h, dv, dtype=q.dtype).transpose(1, 2)    # ATen's flash layout: a view of (b, t, h, dv)
     lse = torch.empty(b, h, t, dtype=torch.float32)
     native.check(lib.kiln_attn_forward_bf16(
         native.ptr(q), native.strides(q), native.ptr(k), native.strides(k), native.ptr(v), native.strides(v),
-        native.ptr(mask), native.strides(mask), int(is_causal), native.ptr(out), native.ptr(lse), b, h, t, s, d, dv,
-        scale, native.threads()), "attention forward")
+        native.ptr(mask), native.strides(mask), int(is_causal), native.ptr(out), native.strides(out), native.ptr(lse),
+        b, h, t, s, d, dv, scale, native.threads()), "attention forward")
     return out, lse
 
 
@@ -220,13 +221,14 @@ def _backward_bf16(lib, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     grad_out, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (grad_out, q, k, v, out))
     b, h, t, d = q.shape
     s, dv = k.shape[2], v.shape[3]
-    dq, dk, dvv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    dq, dk, dvv = (torch.empty_like(x) for x in (q, k, v))             # their layouts, as ATen's flash backward
+    grads = (ctypes.c_int64 * 9)(*dq.stride()[:3], *dk.stride()[:3], *dvv.stride()[:3])
     lse = logsumexp.float().contiguous()
     native.check(lib.kiln_attn_backward_bf16(
         native.ptr(grad_out), native.strides(grad_out), native.ptr(q), native.strides(q), native.ptr(k),
         native.strides(k), native.ptr(v), native.strides(v), native.ptr(out), native.strides(out), native.ptr(lse),
-        native.ptr(mask), native.strides(mask), int(is_causal), native.ptr(dq), native.ptr(dk), native.ptr(dvv), b, h,
-        t, s, d, dv, scale, native.threads()), "attention backward")
+        native.ptr(mask), native.strides(mask), int(is_causal), native.ptr(dq), native.ptr(dk), native.ptr(dvv), grads,
+        b, h, t, s, d, dv, scale, native.threads()), "attention backward")
     return dq, dk, dvv
 
 

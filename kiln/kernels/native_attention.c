@@ -311,11 +311,12 @@ int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, int a_t, const 
  * same order, without a (queries x keys)-sized buffer between them. q: (b, h, t, d), k: (b, h, s, d), v: (b, h, s,
  * dv), element strides qs, ks, vs (batch, head, row; the last dimension dense); mask: fp32 (b, h, t, s) with
  * strides ms (0 where broadcast) and a dense last dimension, or NULL; `causal`: query i sees keys j <= i (mask
- * ignored, as in kiln_attn_softmax). out: (b, h, t, dv) dense bf16; lse: (b, h, t) dense fp32. */
+ * ignored, as in kiln_attn_softmax). out: (b, h, t, dv) bf16 with strides os (a dense last dimension: ATen's
+ * flash kernel lays it out as (b, t, h, dv)); lse: (b, h, t) dense fp32. */
 int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t *k, const int64_t *ks,
                            const uint16_t *v, const int64_t *vs, const float *mask, const int64_t *ms, int causal,
-                           uint16_t *out, float *lse, int64_t b, int64_t h, int64_t t, int64_t s, int64_t d,
-                           int64_t dv, double scale, int threads) {
+                           uint16_t *out, const int64_t *os, float *lse, int64_t b, int64_t h, int64_t t, int64_t s,
+                           int64_t d, int64_t dv, double scale, int threads) {
     if (d <= 0 || dv <= 0 || s <= 0 || s > ROW_MAX || d > (1 << 16) || dv > (1 << 16)) return 2;
     int64_t kd = (d + 1) / 2, ks2 = (s + 1) / 2;            /* pairs along d (scores) and along keys (P v) */
     int64_t ns = (s + 31) / 32 * 32, nv = (dv + 31) / 32 * 32, tiles = (t + ABT_ROWS - 1) / ABT_ROWS;
@@ -372,7 +373,7 @@ int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t 
                 float *o = ot + r * nv;
 #pragma omp simd
                 for (int64_t c = 0; c < dv; c++) o[c] *= rowscale[r];
-                store(out + (bh * t + i0 + r) * dv, BF16, o, dv);
+                store(out + bi * os[0] + hi * os[1] + (i0 + r) * os[2], BF16, o, dv);
             }
         }
         free(kp);
@@ -384,9 +385,9 @@ int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t 
     }
     return bad ? 3 : 0;
 }
-/* rows x n fp32 accumulators (row stride ld) rounded to bf16 rows of `out` (row stride n) */
-static void round_rows(const float *acc, int64_t ld, int64_t rows, int64_t n, uint16_t *out) {
-    for (int64_t r = 0; r < rows; r++) store(out + r * n, BF16, acc + r * ld, n);
+/* rows x n fp32 accumulators (row stride ld) rounded to bf16 rows of `out` (row stride out_rs) */
+static void round_rows(const float *acc, int64_t ld, int64_t rows, int64_t n, uint16_t *out, int64_t out_rs) {
+    for (int64_t r = 0; r < rows; r++) store(out + r * out_rs, BF16, acc + r * ld, n);
 }
 
 #define QBLOCK 32      /* queries whose P and dS rows are kept for dV and dK: 16 pairs a pass over the sums */
@@ -414,13 +415,13 @@ static void add_transposed(const uint16_t *x, int64_t xs, const uint16_t *y, int
  * kiln_attn_dscores's arithmetic (a causal head's dV and dK sum the queries' pairs in the same order as
  * kiln_bf16_abt's a_t form), with nothing (queries x keys)-sized in memory; delta = rowsum(dO * O) per query, in
  * fp32. Strides and layouts as kiln_attn_forward_bf16's (g: dO and o: the forward's output, as q but dv wide);
- * lse fp32 (b, h, t) dense; dq, dk, dv_ dense bf16. */
+ * lse fp32 (b, h, t) dense; dq, dk, dv_ bf16 with the (batch, head, row) strides ds[0..2], ds[3..5], ds[6..8]
+ * and dense last dimensions (ATen's flash backward gives them q's, k's and v's layouts). */
 int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t *q, const int64_t *qs,
                             const uint16_t *k, const int64_t *ks, const uint16_t *v, const int64_t *vs, const uint16_t *o,
                             const int64_t *os, const float *lse, const float *mask, const int64_t *ms, int causal,
-                            uint16_t *dq,
-                            uint16_t *dk, uint16_t *dv_, int64_t b, int64_t h, int64_t t, int64_t s, int64_t d,
-                            int64_t dv, double scale, int threads) {
+                            uint16_t *dq, uint16_t *dk, uint16_t *dv_, const int64_t *ds, int64_t b, int64_t h,
+                            int64_t t, int64_t s, int64_t d, int64_t dv, double scale, int threads) {
     if (d <= 0 || dv <= 0 || s <= 0 || s > ROW_MAX || d > (1 << 16) || dv > (1 << 16)) return 2;
     int64_t kd = (d + 1) / 2, kv = (dv + 1) / 2, ks2 = (s + 1) / 2;
     int64_t ns = (s + 31) / 32 * 32, nd = (d + 31) / 32 * 32, nv = (dv + 31) / 32 * 32;
@@ -484,8 +485,8 @@ int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t
                     store(dh + r * 2 * ks2, BF16, row, 2 * kend);
                 }
                 for (int64_t c0 = 0; c0 < d; c0 += 32)     /* dQ = dS k, each of its rows rounded once */
-                    abt_tile((uint32_t *)dh, ks2, 1, 0, kend, kk + c0, nd, dq + (bh * t + i0) * d + c0, 1, d, rows,
-                             d - c0);
+                    abt_tile((uint32_t *)dh, ks2, 1, 0, kend, kk + c0, nd, dq + bi * ds[0] + hi * ds[1] + i0 * ds[2] + c0,
+                             1, ds[2], rows, d - c0);
                 if (last + 1 == t || last + 1 - q0 == QBLOCK) {   /* the block is whole: its part of dV and dK */
                     int qr = (int)(last + 1 - q0);
                     add_transposed((uint16_t *)pt, 2 * ks2, gh + q0 * gs[2], gs[2], qr, q0, causal, seen, dv, yp, at,
@@ -494,8 +495,8 @@ int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t
                                    dka, nd);
                 }
             }
-            round_rows(dva, nv, s, dv, dv_ + bh * s * dv);
-            round_rows(dka, nd, s, d, dk + bh * s * d);
+            round_rows(dva, nv, s, dv, dv_ + bi * ds[6] + hi * ds[7], ds[8]);
+            round_rows(dka, nd, s, d, dk + bi * ds[3] + hi * ds[4], ds[5]);
         }
         free(kp), free(vp), free(kk), free(qt), free(gt), free(yp), free(at), free(pt), free(dt), free(st), free(row);
         free(dva), free(dka);
@@ -517,7 +518,8 @@ int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t 
                            const uint16_t *v, const int64_t *vs, const float *mask, const int64_t *ms, int causal,
                            uint16_t *out, float *lse, int64_t b, int64_t h, int64_t t, int64_t s, int64_t d,
                            int64_t dv, double scale, int threads) {
-    (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)mask, (void)ms, (void)causal, (void)out, (void)lse,
+    (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)mask, (void)ms, (void)causal, (void)out, (void)os,
+        (void)lse,
         (void)b, (void)h, (void)t, (void)s, (void)d, (void)dv, (void)scale, (void)threads;
     return 4;
 }
@@ -525,11 +527,10 @@ int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t 
 int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t *q, const int64_t *qs,
                             const uint16_t *k, const int64_t *ks, const uint16_t *v, const int64_t *vs, const uint16_t *o,
                             const int64_t *os, const float *lse, const float *mask, const int64_t *ms, int causal,
-                            uint16_t *dq,
-                            uint16_t *dk, uint16_t *dv_, int64_t b, int64_t h, int64_t t, int64_t s, int64_t d,
-                            int64_t dv, double scale, int threads) {
+                            uint16_t *dq, uint16_t *dk, uint16_t *dv_, const int64_t *ds, int64_t b, int64_t h,
+                            int64_t t, int64_t s, int64_t d, int64_t dv, double scale, int threads) {
     (void)g, (void)gs, (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)o, (void)os, (void)lse, (void)mask,
-        (void)ms, (void)causal, (void)dq, (void)dk, (void)dv_, (void)b, (void)h, (void)t, (void)s, (void)d, (void)dv,
+        (void)ms, (void)causal, (void)dq, (void)dk, (void)dv_, (void)ds, (void)b, (void)h, (void)t, (void)s, (void)d, (void)dv,
         (void)scale, (void)threads;
     return 4;
 }

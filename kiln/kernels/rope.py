@@ -57,7 +57,10 @@ def _rotate_native(t: Tensor, cos: Tensor, sin: Tensor, sign: float, out_dtype: 
     if None in strides or c.stride() != s.stride() or c.stride(-1) != 1 or out.stride(-1) != 1:
         return None
     sizes = [1] * (3 - len(lead)) + list(lead)
-    arrays = [(ctypes.c_int64 * 3)(*v) for v in (*strides, sizes)]
+    # rows in t's memory order (q and k as projections make them are (b, t, h, d) seen as (b, h, t, d): walked
+    # head by head, each row 2 cache lines h * d elements past the last, the loop ran several times slower)
+    order = sorted(range(3), key=lambda i: -strides[0][i] if sizes[i] > 1 else 0)
+    arrays = [(ctypes.c_int64 * 3)(*(v[i] for i in order)) for v in (*strides, sizes)]
     native.check(lib.kiln_rope(t.data_ptr(), native.code(t), arrays[0], c.data_ptr(), s.data_ptr(), native.code(c),
                                arrays[1], out.data_ptr(), native.code(out), arrays[2], arrays[3], d,
                                int(sign < 0), native.threads()), "rope")

@@ -91,8 +91,9 @@ def test_bf16_backward_at_the_edges_of_its_tiles(shape, causal):
                                                                         attn_mask=mask) if d == dv else None)
     eps = torch.finfo(torch.bfloat16).eps
     scale = max(x.abs().max().item() for x in truth)    # (one query seeing one key: dq is 0 but for rounding)
-    for i, (name, mine, exact) in enumerate(zip("qkv", got, truth)):
-        assert mine.shape == exact.shape and mine.dtype == torch.bfloat16 and mine.is_contiguous()
+    for i, (name, mine, exact, x) in enumerate(zip("qkv", got, truth, (q, k, v))):
+        # in the layout of the input (ATen's flash backward's, as the graph's fake tensors have it)
+        assert mine.shape == exact.shape and mine.dtype == torch.bfloat16 and mine.stride() == x.stride()
         err = (mine.double() - exact).abs().max().item()
         bound = (flash[i].double() - exact).abs().max().item() + 2 * eps * scale if flash else 8 * eps * scale
         assert err <= bound, f"d{name}: {err:.3g} against {bound:.3g}"
