@@ -305,20 +305,17 @@ def _softmax_minus_onehot_native(z: Tensor, y: Tensor, per_token: Tensor, lse: T
     """A bf16 chunk of logits z (rows x vocab, contiguous) overwritten with softmax - onehot (computed in fp32,
     rounded once), each row's loss written into per_token and its log-sum-exp into lse (contiguous fp32). The
     rows are the counted tokens: no label equals `ignore_index`, and any other outside the vocabulary raises.
-    kiln_ce_forward, then kiln_ce_backward with scale 1: two passes over the chunk instead of ATen's eight per
-    block. Measured at 1024 x 8192 (2 threads, the Xeon of docs/kernels.md): 6.3 against 8.2 ms."""
+    One native call (kiln_ce_grads): per row its max, exp(z - max) into an fp32 row buffer with its sum, then
+    that buffer over the sum, less the onehot: one exp per logit (the forward-then-backward pair of loops took
+    two) and two reads of the row. 2048 x 8192 on the EPYC: see docs/kernels.md."""
     lib = native.library()
     rows, cols = z.shape
     yy = y.reshape(-1).contiguous()
-    status = lib.kiln_ce_forward(z.data_ptr(), native.code(z), z.stride(0), yy.data_ptr(), ignore_index,
-                                 per_token.data_ptr(), lse.data_ptr(), rows, cols, native.threads())
+    status = lib.kiln_ce_grads(z.data_ptr(), native.code(z), z.stride(0), yy.data_ptr(), ignore_index,
+                               per_token.data_ptr(), lse.data_ptr(), rows, cols, native.threads())
     if status == 2:
         _out_of_range(yy, ignore_index, cols)
     native.check(status, "cross-entropy")
-    one = torch.ones(1, dtype=torch.float32)
-    native.check(lib.kiln_ce_backward(z.data_ptr(), native.code(z), z.stride(0), yy.data_ptr(), ignore_index,
-                                      lse.data_ptr(), one.data_ptr(), 0, z.data_ptr(), native.code(z), z.stride(0),
-                                      rows, cols, native.threads()), "cross-entropy")
 
 
 @linear_cross_entropy_grads_op.register_fake

@@ -496,6 +496,22 @@ static __attribute__((noinline)) double block_sum_exp(const float *restrict v, i
     return s;
 }
 
+/* v[j] = exp(v[j] - m) in place, and their sum (float lanes over pieces of 256, the pieces added in double) */
+static __attribute__((noinline)) double block_exp_sum(float *restrict v, int64_t n, float m) {
+    double s = 0.0;
+    for (int64_t lo = 0; lo < n; lo += 256) {
+        int64_t hi = n - lo < 256 ? n : lo + 256;
+        float piece = 0.0f;
+#pragma omp simd reduction(+ : piece)
+        for (int64_t j = lo; j < hi; j++) {
+            v[j] = exp_or_zero(v[j] - m);
+            piece += v[j];
+        }
+        s += piece;
+    }
+    return s;
+}
+
 static __attribute__((noinline)) void block_softmax_grad(const float *restrict v, float *restrict o, int64_t n,
                                                          float l, float s) {
 #pragma omp simd
@@ -575,6 +591,61 @@ int kiln_ce_backward(const void *x, int dt, int64_t xs, const int64_t *labels, i
         }
     }
     return 0;
+}
+
+/* kiln_ce_forward and kiln_ce_backward (scale 1) in one call, the gradient written over x: per row its max, then
+ * e = exp(x - max) into a row buffer (fp32) with its sum, lse and the loss, then e / sum - onehot; one exp per
+ * logit instead of two and the row read twice instead of three times. e / sum is as accurate as exp(x - lse)
+ * (more, where lse is large: x - lse rounds). Returns 2 when a label is outside [0, cols) and not `ignore`
+ * (that row NaN), 3 when a row buffer could not be allocated. */
+int kiln_ce_grads(void *x, int dt, int64_t xs, const int64_t *labels, int64_t ignore, float *loss, float *lse,
+                  int64_t rows, int64_t cols, int threads) {
+    int bad = 0;
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+        float *e = malloc((size_t)(cols > 0 ? cols : 1) * sizeof(float));
+        if (!e) bad |= 4;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (!e) continue;
+            int64_t y = labels[r];
+            void *row = elem_out(x, dt, r * xs);
+            int skip = y == ignore, out = !skip && (y < 0 || y >= cols);
+            float m = -INFINITY;
+            int nan = 0;
+            if (!skip && !out)
+                for (int64_t lo = 0; lo < cols; lo += BLOCK) {
+                    int64_t n = cols - lo < BLOCK ? cols - lo : BLOCK;
+                    load(e + lo, elem(row, dt, lo), dt, n);
+                    m = block_max(e + lo, n, m, &nan);
+                }
+            if (skip || out || nan || m == INFINITY || m == -INFINITY) {   /* 0 (ignored) or NaN, as the pair */
+                float fill = skip ? 0.0f : NAN;
+                bad |= out ? 2 : 0;
+                loss[r] = lse[r] = fill;
+                for (int64_t j = 0; j < cols; j++) e[j] = fill;
+                store(row, dt, e, cols);
+                continue;
+            }
+            double sum = 0.0;
+            for (int64_t lo = 0; lo < cols; lo += BLOCK) {
+                int64_t n = cols - lo < BLOCK ? cols - lo : BLOCK;
+                sum += block_exp_sum(e + lo, n, m);
+            }
+            double l = (double)m + log(sum);
+            lse[r] = (float)l;
+            float xy;
+            load(&xy, elem(row, dt, y), dt, 1);
+            loss[r] = (float)(l - (double)xy);
+            float inv = (float)(1.0 / sum);
+#pragma omp simd
+            for (int64_t j = 0; j < cols; j++) e[j] *= inv;
+            e[y] -= 1.0f;
+            store(row, dt, e, cols);
+        }
+        free(e);
+    }
+    return bad & 4 ? 3 : bad & 2 ? 2 : 0;
 }
 
 /* attention's row passes and its bf16 products: native_attention.c, compiled as part of this file */

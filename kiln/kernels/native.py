@@ -65,6 +65,7 @@ _SIGNATURES = {
     "kiln_gelu_tanh": [_ptr, _int, _ptr, _int, _i64, _int],
     "kiln_gelu_tanh_backward": [_ptr, _int, _ptr, _int, _ptr, _int, _i64, _int],
     "kiln_ce_forward": [_ptr, _int, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _int],
+    "kiln_ce_grads": [_ptr, _int, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _int],
     "kiln_ce_backward": [_ptr, _int, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _int, _i64, _i64, _i64, _int],
     "kiln_attn_probs": [_ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _int, _i64, _i64, _i64, _dbl, _int],
     "kiln_attn_dscores": [_ptr, _int, _ptr, _ptr, _int, _i64, _i64, _i64, _dbl, _int],

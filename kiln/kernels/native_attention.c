@@ -24,22 +24,6 @@
  *   compiler knows the instructions; kiln_bf16_abt_built() says whether it was, and the Python side calls it
  *   only on a CPU that has them. */
 
-/* v[j] = exp(v[j] - m) in place, and their sum (float lanes over pieces of 256, the pieces added in double) */
-static __attribute__((noinline)) double block_exp_sum(float *restrict v, int64_t n, float m) {
-    double s = 0.0;
-    for (int64_t lo = 0; lo < n; lo += 256) {
-        int64_t hi = n - lo < 256 ? n : lo + 256;
-        float piece = 0.0f;
-#pragma omp simd reduction(+ : piece)
-        for (int64_t j = lo; j < hi; j++) {
-            v[j] = exp_or_zero(v[j] - m);
-            piece += v[j];
-        }
-        s += piece;
-    }
-    return s;
-}
-
 /* the columns row r computes: all, or (causal: query r % tq sees keys j <= r % tq) the first r % tq + 1 */
 static inline int64_t row_cols(int causal, int64_t r, int64_t tq, int64_t cols) {
     return causal && r % tq + 1 < cols ? r % tq + 1 : cols;

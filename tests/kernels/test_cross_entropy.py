@@ -256,3 +256,40 @@ def test_bf16_grads_native_and_aten_softmax_agree(monkeypatch):
     aten_out = torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "mean", 0)
     for a, b in zip(native_out, aten_out):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-2 if a.dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("vocab", [300, 9001])
+def test_bf16_grads_native_softmax_is_as_close_to_float64_as_aten(vocab, monkeypatch):
+    """The one-call native softmax (max, exp into a row buffer, over the sum) against float64 of the same bf16
+    logits, no further than ATen's composition; a vocabulary past its 2048-logit blocks and past 8192 too."""
+    torch.manual_seed(3)
+    h, w = torch.randn(48, 16).bfloat16(), (torch.randn(vocab, 16) * 0.7).bfloat16()
+    y = _labels((48,), vocab)
+    z = (h.double() @ w.double().t()).bfloat16().double()          # the logits as the bf16 product rounds them
+    p = torch.softmax(z, -1)
+    want_loss = (torch.logsumexp(z, -1) - z[torch.arange(48), y]).mean()
+    p[torch.arange(48), y] -= 1
+    want_gh, want_gw = p @ w.double(), p.t() @ h.double()
+    errs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("KILN_NATIVE", mode)
+        loss, gh, gw, scale = torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "mean", 0)
+        errs[mode] = [(loss.double() - want_loss).abs().item(), (gh.double() * scale.item() * 48 - want_gh).abs().max().item(),
+                      (gw.double() - want_gw).abs().max().item()]
+    for mine, aten_err, what in zip(errs["1"], errs["0"], ("loss", "grad_hidden", "grad_weight")):
+        assert mine <= 1.5 * aten_err + 1e-6, f"{what}: {mine:.3g} against ATen's {aten_err:.3g}"
+
+
+def test_bf16_grads_native_softmax_keeps_a_nonfinite_row_to_itself(monkeypatch):
+    """A token whose logits hold inf (its hidden state overflowed) gets a NaN loss, as ATen's composition gives
+    it, and NaN gradient only through its own row."""
+    torch.manual_seed(4)
+    h, w = torch.randn(12, 16).bfloat16(), (torch.randn(40, 16) * 0.5).bfloat16()
+    y = _labels((12,), 40)
+    h[5, 2] = float("inf")
+    got = torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "sum", 0)
+    monkeypatch.setenv("KILN_NATIVE", "0")
+    want = torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "sum", 0)
+    assert got[0].isnan() and want[0].isnan()
+    assert torch.equal(got[1].isnan().any(-1), want[1].isnan().any(-1))
+    assert got[1].isnan().any(-1).tolist() == [i == 5 for i in range(12)]
