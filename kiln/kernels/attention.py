@@ -118,7 +118,7 @@ def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, 
     b, h, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     fused = _bf16_products() if lib is not None and s > 0 else None
     if fused is not None and q.dtype == k.dtype == v.dtype == torch.bfloat16:
-        return _forward_bf16(fused, q, k, v, None if is_causal else mask, is_causal, scale)
+        return _forward_bf16(fused, q, k, v, None if is_causal else mask, _causal(fused, mask, is_causal), scale)
     out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype)
     lse = torch.empty(b, h, t, dtype=torch.float32)
     # unnormalized probabilities exp(z - max) (the largest exactly 1), in bf16 where the products take bf16,
@@ -148,6 +148,17 @@ def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, 
     return out, lse
 
 
+def _causal(lib, mask: Tensor | None, is_causal: bool) -> bool:
+    """Whether the one-pass kernels may skip each query's later keys: is_causal, or an additive mask that hides
+    exactly those (and leaves each query a key): what Hugging Face models pass once exported, a materialized
+    causal mask (with padding, if any, still added to the keys that remain). Checked natively on each call (b
+    slices of t x s floats at most; stride-0 dimensions once)."""
+    if is_causal or mask is None:
+        return is_causal
+    b, h, t, s = mask.shape
+    return bool(lib.kiln_attn_mask_is_causal(native.ptr(mask), native.strides(mask), b, h, t, s))
+
+
 def _forward_bf16(lib, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
                   scale: float) -> tuple[Tensor, Tensor]:
     """The bf16 forward as one native pass (`kiln_attn_forward_bf16`): for each head and 8 of its queries at a
@@ -174,7 +185,8 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     fused = _bf16_products() if lib is not None and s > 0 else None
     if fused is not None and q.dtype == k.dtype == v.dtype == grad_out.dtype == out.dtype == torch.bfloat16 and \
             q.shape[0] * q.shape[1] >= native.threads():
-        return _backward_bf16(fused, grad_out, q, k, v, out, logsumexp, None if is_causal else mask, is_causal, scale)
+        return _backward_bf16(fused, grad_out, q, k, v, out, logsumexp, None if is_causal else mask,
+                              _causal(fused, mask, is_causal), scale)
     dq = torch.empty(q.shape, dtype=q.dtype)            # dense: each head group's slice is written in place
     dk, dv = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
     lse = logsumexp.float()

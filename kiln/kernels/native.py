@@ -73,6 +73,7 @@ _SIGNATURES = {
     "kiln_bf16_abt": [_ptr, _i64, _i64, _int, _ptr, _i64, _i64, _int, _int, _ptr, _int, _i64, _i64, _i64, _i64,
                       _int],
     "kiln_bf16_abt_built": [],
+    "kiln_attn_mask_is_causal": [_ptr, _i64s, _i64, _i64, _i64, _i64],
     "kiln_attn_forward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _int, _ptr, _i64s, _ptr, _i64, _i64,
                                _i64, _i64, _i64, _i64, _dbl, _int],
     "kiln_attn_backward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _ptr, _i64s, _int,

@@ -149,6 +149,26 @@ int kiln_attn_dscores(void *p, int dt, const float *dp, const float *delta, int 
     return 0;
 }
 
+/* 1 when an additive fp32 mask (b, h, t, s; element strides ms, 0 where broadcast; a dense last dimension) is
+ * causal as far as softmax can tell: in every (batch, head) slice, each query i's keys j > i are hidden (<= -1e30,
+ * -inf included: exp of them less the row's max is exactly 0) and some key j <= i is not. Then skipping the keys
+ * after each query gives the same probabilities; the mask still applies to the keys it leaves. Else 0. */
+int kiln_attn_mask_is_causal(const float *mask, const int64_t *ms, int64_t b, int64_t h, int64_t t, int64_t s) {
+    for (int64_t bi = 0; bi < (ms[0] ? b : 1); bi++)
+        for (int64_t hi = 0; hi < (ms[1] ? h : 1); hi++)
+            for (int64_t i = 0; i < t; i++) {
+                const float *row = mask + bi * ms[0] + hi * ms[1] + i * ms[2];
+                int64_t seen = i + 1 < s ? i + 1 : s;
+                int hidden = 1, open = 0;
+#pragma omp simd reduction(& : hidden)
+                for (int64_t j = seen; j < s; j++) hidden &= row[j] <= -1e30f;
+#pragma omp simd reduction(| : open)
+                for (int64_t j = 0; j < seen; j++) open |= !(row[j] <= -1e30f);
+                if (!hidden || !open) return 0;
+            }
+    return 1;
+}
+
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #include <immintrin.h>
@@ -294,8 +314,8 @@ int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, int a_t, const 
  * kiln_attn_softmax (with rowscale) and kiln_bf16_abt (kn) compute for a head group, the same operations in the
  * same order, without a (queries x keys)-sized buffer between them. q: (b, h, t, d), k: (b, h, s, d), v: (b, h, s,
  * dv), element strides qs, ks, vs (batch, head, row; the last dimension dense); mask: fp32 (b, h, t, s) with
- * strides ms (0 where broadcast) and a dense last dimension, or NULL; `causal`: query i sees keys j <= i (mask
- * ignored, as in kiln_attn_softmax). out: (b, h, t, dv) bf16 with strides os (a dense last dimension: ATen's
+ * strides ms (0 where broadcast) and a dense last dimension, or NULL; `causal`: query i sees keys j <= i only (the
+ * mask, if any, added to those: a causal mask a model materialized, kiln_attn_mask_is_causal). out: (b, h, t, dv) bf16 with strides os (a dense last dimension: ATen's
  * flash kernel lays it out as (b, t, h, dv)); lse: (b, h, t) dense fp32. */
 int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t *k, const int64_t *ks,
                            const uint16_t *v, const int64_t *vs, const float *mask, const int64_t *ms, int causal,
@@ -339,7 +359,7 @@ int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t 
             for (int r = 0; r < rows; r++) {
                 int64_t i = i0 + r, nc = causal && i + 1 < s ? i + 1 : s;
                 float *z = st + r * ns;
-                if (mask && !causal) {
+                if (mask) {
                     const float *mr = mask + bi * ms[0] + hi * ms[1] + i * ms[2];
 #pragma omp simd
                     for (int64_t j = 0; j < nc; j++) z[j] = z[j] * sc + mr[j];
@@ -450,7 +470,7 @@ int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t
                     abt_tile(qt, kd, 1, 0, kd, kp + j0, ns, st + j0, 0, ns, rows, s - j0);
                 for (int r = 0; r < rows; r++) {        /* P, rounded to bf16, 0 past what the row sees */
                     int64_t i = i0 + r, nc = causal && i + 1 < s ? i + 1 : s;
-                    const float *mr = mask && !causal ? mask + bi * ms[0] + hi * ms[1] + i * ms[2] : NULL;
+                    const float *mr = mask ? mask + bi * ms[0] + hi * ms[1] + i * ms[2] : NULL;
                     int64_t n = row_probs_again(st + r * ns, mr, sc, lse[bh * t + i], nc, row);
                     memset(row + n, 0, (size_t)(2 * kend - n) * sizeof(float));
                     store(ph + r * 2 * ks2, BF16, row, 2 * kend);

@@ -160,3 +160,26 @@ def test_the_step_trains_like_eager_with_the_measured_backward(amp, monkeypatch)
     elif cpu_has_native(torch.bfloat16):
         assert labels == {"attention:math_backward", "attention:math_forward"}, labels
     assert os.environ["KILN_KEEP"] == "all"
+
+
+def test_bf16_backward_with_a_materialized_causal_mask_and_padding():
+    """A causal mask as an exported model hands it over, with padded keys at the end of one sequence: the
+    one-pass backward skips each query's later keys and still applies the padding; as close to float64 as
+    ATen's flash backward."""
+    if native.bf16_products() is None:
+        pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
+    from tests.kernels.test_attention_forward import _materialized_causal
+    args, _ = _case(torch.bfloat16, None, transposed=True)
+    g, q, k, v, _, _ = args
+    mask = _materialized_causal(2, 40, 40)
+    mask[1, :, :, 33:] = float("-inf")
+    mask = mask.bfloat16()
+    assert attention._causal(native.bf16_products(), mask.float().expand(2, 3, 40, 40), False)
+    out, lse = attention.flash_forward_math(q, k, v, 0.0, False, attn_mask=mask)
+    got = attention.flash_backward_math(g, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+    flash = aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+    truth = _truth(g, q, k, v, False, mask)
+    scale = max(x.abs().max().item() for x in truth)
+    for name, mine, theirs, exact in zip("qkv", got, flash, truth):
+        err, flash_err = ((x.double() - exact).abs().max().item() for x in (mine, theirs))
+        assert err <= flash_err + 2 * torch.finfo(torch.bfloat16).eps * scale, f"d{name}: {err:.3g} against {flash_err:.3g}"

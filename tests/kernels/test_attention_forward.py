@@ -250,3 +250,47 @@ def test_causal_bf16_products_skip_only_what_the_mask_makes_irrelevant(m, n, k, 
         assert torch.equal(attention._products(a, b, out=torch.empty_like(whole), causal=True, **flags), whole)
     elif m >= 64 and n >= 64:
         assert (got[:, :8, 32:] == 0).all()              # the first row tile's keys past 31 were not computed
+
+def _materialized_causal(b, t, s, hide=float("-inf")):
+    """A causal mask as Hugging Face builds one (b, 1, t, s): 0 where a query sees a key, `hide` after it."""
+    return torch.zeros(b, 1, t, s).masked_fill_(torch.ones(t, s, dtype=torch.bool).triu(1), hide)
+
+
+@pytest.mark.parametrize("hide", [float("-inf"), torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min])
+def test_a_materialized_causal_mask_runs_as_is_causal(hide):
+    """Exported models hand attention a causal mask instead of is_causal: the one-pass kernels recognize it
+    (each query's later keys hidden, some key left) and skip what it hides: the results are is_causal's, bit
+    for bit, forward and backward."""
+    if native.bf16_products() is None:
+        pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
+    (q, k, v), _ = _inputs(torch.bfloat16, None, t=70, s=70)
+    mask = _materialized_causal(2, 70, 70, hide).bfloat16()
+    assert attention._causal(native.bf16_products(), mask.float().expand(2, 3, 70, 70), False)
+    want = attention.flash_forward_math(q, k, v, 0.0, True)
+    got = attention.flash_forward_math(q, k, v, 0.0, False, attn_mask=mask)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    g = torch.randn(q.shape).bfloat16()
+    for a, b in zip(attention.flash_backward_math(g, q, k, v, *want, 0.0, False, attn_mask=mask),
+                    attention.flash_backward_math(g, q, k, v, *want, 0.0, True)):
+        assert torch.equal(a, b)
+
+
+def test_a_causal_mask_with_padding_is_recognized_only_where_it_is_safe():
+    """Padded keys at the end (each query still sees a key): causal, the padding still applied. Padded keys at
+    the start (the first queries see none: eager spreads them over every key) or one later key left visible:
+    not causal. Either way as close to float64 as ATen's flash kernel."""
+    if native.bf16_products() is None:
+        pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
+    lib = native.bf16_products()
+    (q, k, v), _ = _inputs(torch.bfloat16, None)
+    right = _materialized_causal(2, 40, 40)
+    right[1, :, :, 35:] = float("-inf")
+    left = _materialized_causal(2, 40, 40, torch.finfo(torch.float32).min)
+    left[1, :, :, :3] = torch.finfo(torch.float32).min
+    leak = _materialized_causal(2, 40, 40)
+    leak[0, 0, 10, 30] = 0.0
+    for mask, causal in ((right, True), (left, False), (leak, False)):
+        assert attention._causal(lib, mask.expand(2, 3, 40, 40), False) is causal
+        out, lse = attention.flash_forward_math(q, k, v, 0.0, False, attn_mask=mask)
+        _as_accurate_as_flash(out, lse, *_flash(q, k, v, False, mask), *_truth(q, k, v, False, mask), torch.bfloat16)
