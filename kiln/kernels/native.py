@@ -36,7 +36,7 @@ from kiln import cachedir
 log = logging.getLogger("kiln")
 
 _SOURCE = Path(__file__).with_name("native.c")
-_SOURCES = (_SOURCE, Path(__file__).with_name("native_attention.c"))     # native.c #includes the second
+_SOURCES = (_SOURCE, *(Path(__file__).with_name(f) for f in ("native_loss.c", "native_attention.c")))  # #included
 ROW_MAX = 8192                     # native.c's row buffers; longer rows run the ATen composition
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 _ISA_FLAGS = {

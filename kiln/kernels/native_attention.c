@@ -1,5 +1,5 @@
-/* Attention's native loops (kiln/kernels/attention.py), #included at the end of native.c (one library, the same
- * helpers: load/store, exp_or_zero, block_max).
+/* Attention's native loops (kiln/kernels/attention.py), #included at the end of native.c after native_loss.c (one
+ * library, the same helpers: load/store, exp_or_zero, block_max, block_exp_sum).
  *
  * A group of heads' query rows, row r being query i = r % tq of head h = r / tq, and s the fp32 scores q.k
  * (rows x cols, dense). The mask is fp32 with element strides mh (head), mi (query) and a dense last dim, or
@@ -482,7 +482,7 @@ int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t
                     const uint16_t *gr = gh + i * gs[2], *orow = oh + i * os[2];
                     float delta = 0.0f;
 #pragma omp simd reduction(+ : delta)
-                    for (int64_t c = 0; c < dv; c++) delta += bf16_at(gr, c) * bf16_at(orow, c);
+                    for (int64_t c = 0; c < dv; c++) delta += bf16_f(gr[c]) * bf16_f(orow[c]);
                     load(row, ph + r * 2 * ks2, BF16, nc);
                     row_dscores(row, st + r * ns, delta, sc, nc, row);
                     memset(row + nc, 0, (size_t)(2 * kend - nc) * sizeof(float));
