@@ -1,4 +1,5 @@
-"""Attention's forward and backward as matrix products and native row passes, one group of heads at a time.
+"""Attention's forward and backward as matrix products and native row passes: with bf16 inputs on a CPU with
+AVX-512 BF16, one native pass each way over heads and tiles of 8 queries; elsewhere one group of heads at a time.
 
 Same contracts as ATen's CPU flash-attention kernels (`aten._scaled_dot_product_flash_attention_for_cpu`: q, k,
 v -> the output and its log-sum-exp per query; and its `_backward`: the output's gradient, q, k, v, the output
@@ -8,12 +9,15 @@ and the log-sum-exp -> the gradients of q, k and v), computed the textbook way:
     dV = P^T dO   dP = dO v^T (fp32)   dS = P * (dP - rowsum(dO * O)) * scale   dQ = dS k   dK = dS^T q
 
 The scores and their gradient are fp32 products: on a CPU with AVX-512 BF16, of the bf16 inputs themselves
-(native_attention.c `kiln_bf16_qk`: pair dot products into fp32, about 3.5x faster than ATen's fp32 product of
+(native_attention.c `kiln_bf16_abt`: pair dot products into fp32, about 3.5x faster than ATen's fp32 product of
 widened copies, which is what runs elsewhere; ATen has no bf16 product with an fp32 result on CPU). P and dS
 are rounded once to the inputs' dtype, and the products with them run in that dtype (bf16 on AMX). The passes
 from S to P (and the log-sum-exp) and from dP to dS are single native loops (`kiln_attn_softmax`,
 `kiln_attn_probs`, `kiln_attn_dscores`); without them, ATen's elementwise ops. A group of heads is sized so
-that its scores stay in cache (GROUP_BYTES), so nothing (tokens x tokens)-sized outlives a group.
+that its scores stay in cache (GROUP_BYTES), so nothing (tokens x tokens)-sized outlives a group. In bf16 where
+the pair products run, `kiln_attn_forward_bf16` and `kiln_attn_backward_bf16` do the same arithmetic per head
+and 8 queries, keeping even a group's scores out of memory, write ATen's flash layouts, and take a mask that
+hides each query's later keys (what exported models pass instead of is_causal) as causal (`_causal`).
 
 Where it pays is a matter of shape and machine (docs/bf16.md): the products are quadratic in the sequence and
 the flash kernels are not, so at long sequences flash wins. The `attention` dialect (kiln/dialects/attention.py)
