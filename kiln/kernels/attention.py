@@ -116,8 +116,20 @@ def _groups(q: Tensor, k: Tensor):
             yield bi, slice(h0, min(h, h0 + group))
 
 
+def _kv_heads(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """How many query heads share each key/value head: ATen's flash kernels take k and v with fewer heads than q
+    (grouped- or multi-query attention, as Falcon passes it), query head i reading key/value head i // that."""
+    hq, hk = q.shape[1], k.shape[1]
+    if v.shape[1] != hk or hk == 0 or hq % hk:
+        raise RuntimeError(f"attention: {hq} query heads cannot share {hk} key and {v.shape[1]} value heads evenly")
+    return hq // hk
+
+
 def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
                        attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    rep = _kv_heads(q, k, v)
+    if rep > 1:                     # the kernels below take one key/value head per query head
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scale, mask, lib = _setup("flash_forward_math", q, k, dropout_p, is_causal, attn_mask, scale, v)
     b, h, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     fused = _bf16_products() if lib is not None and s > 0 else None
@@ -183,6 +195,11 @@ def _forward_bf16(lib, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_
 def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
                         dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Tensor | None = None,
                         scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    rep = _kv_heads(q, k, v)
+    if rep > 1:                     # per query head, then each key/value head's gradients summed over its queries'
+        dq, dk, dv = flash_backward_math(grad_out, q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), out,
+                                         logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        return dq, dk.unflatten(1, (k.shape[1], rep)).sum(2), dv.unflatten(1, (v.shape[1], rep)).sum(2)
     scale, mask, lib = _setup("flash_backward_math", q, k, dropout_p, is_causal, attn_mask, scale, v, grad_out,
                               out)
     t, s = q.shape[2], k.shape[2]

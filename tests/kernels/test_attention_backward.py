@@ -183,3 +183,34 @@ def test_bf16_backward_with_a_materialized_causal_mask_and_padding():
     for name, mine, theirs, exact in zip("qkv", got, flash, truth):
         err, flash_err = ((x.double() - exact).abs().max().item() for x in (mine, theirs))
         assert err <= flash_err + 2 * torch.finfo(torch.bfloat16).eps * scale, f"d{name}: {err:.3g} against {flash_err:.3g}"
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fewer_key_value_heads_than_query_heads(kv_heads, dtype, causal):
+    """ATen's flash kernels take k and v with fewer heads than q (grouped- or multi-query attention, as Falcon's
+    graph passes them; query head i reads key/value head i // (heads / kv_heads)), and the gradients of k and v
+    have k's and v's heads. The math kernels give the same contract: against float64 of the expanded heads, as
+    close as ATen's flash kernels. (They once indexed k and v by the query's head: reads past k and writes past
+    dK, which corrupted the heap.)"""
+    torch.manual_seed(5)
+    q = torch.randn(2, 20, 4, 16).to(dtype).transpose(1, 2)
+    k, v, = (torch.randn(2, 20, kv_heads, 16).to(dtype).transpose(1, 2) for _ in range(2))
+    rep = 4 // kv_heads
+    out, lse = attention.flash_forward_math(q, k, v, 0.0, causal)
+    f_out, f_lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[:2]
+    g = torch.randn(out.shape).to(dtype)
+    got = attention.flash_backward_math(g, q, k, v, out, lse, 0.0, causal)
+    flash = aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, f_out, f_lse, 0.0, causal)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    z = qd @ kd.repeat_interleave(rep, 1).transpose(-1, -2) / 4.0
+    if causal:
+        z = z.masked_fill(torch.ones(20, 20, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(z, -1) @ vd.repeat_interleave(rep, 1)
+    want.backward(g.double())
+    eps = torch.finfo(dtype).eps
+    for name, mine, theirs, exact in (("out", out, f_out, want.detach()), *zip("qkv", got, flash, (qd.grad, kd.grad, vd.grad))):
+        assert mine.shape == exact.shape and mine.dtype == dtype, name
+        err, flash_err = ((x.double() - exact).abs().max().item() for x in (mine, theirs))
+        assert err <= flash_err + 4 * eps * exact.abs().max().item(), f"{name}: {err:.3g} against flash's {flash_err:.3g}"
