@@ -169,7 +169,8 @@ int kiln_attn_mask_is_causal(const float *mask, const int64_t *ms, int64_t b, in
     return 1;
 }
 
-#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+/* KILN_NO_BF16_PRODUCTS builds the fallbacks below, as a compiler without AVX-512 BF16 does (tested) */
+#if !defined(KILN_NO_BF16_PRODUCTS) && defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #include <immintrin.h>
 #define ABT_ROWS 8     /* rows of a register tile: 8 x 32 fp32 accumulators, 16 of the 32 zmm registers */
@@ -520,11 +521,10 @@ int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, int a_t, const 
 
 int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t *k, const int64_t *ks,
                            const uint16_t *v, const int64_t *vs, const float *mask, const int64_t *ms, int causal,
-                           uint16_t *out, float *lse, int64_t b, int64_t h, int64_t t, int64_t s, int64_t d,
-                           int64_t dv, double scale, int threads) {
+                           uint16_t *out, const int64_t *os, float *lse, int64_t b, int64_t h, int64_t t, int64_t s,
+                           int64_t d, int64_t dv, double scale, int threads) {
     (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)mask, (void)ms, (void)causal, (void)out, (void)os,
-        (void)lse,
-        (void)b, (void)h, (void)t, (void)s, (void)d, (void)dv, (void)scale, (void)threads;
+        (void)lse, (void)b, (void)h, (void)t, (void)s, (void)d, (void)dv, (void)scale, (void)threads;
     return 4;
 }
 

@@ -318,6 +318,26 @@ def test_a_compiler_without_openmp_builds_a_one_thread_library(monkeypatch, tmp_
         native._library.cache_clear()
 
 
+def test_a_compiler_without_avx512_bf16_builds_the_fallbacks(monkeypatch, tmp_path):
+    """Where the compiler cannot build the bf16 products (another architecture, an old gcc), native_attention.c
+    compiles its stand-ins instead (KILN_NO_BF16_PRODUCTS builds them here): the library loads, says the
+    products are not built, refuses their calls, and attention runs its other paths, as close to float64."""
+    _wrapped_cc(monkeypatch, tmp_path, 'set -- -DKILN_NO_BF16_PRODUCTS "$@"')
+    try:
+        lib = native.library()
+        assert lib is not None and lib.kiln_bf16_abt_built() == 0 and native.bf16_products() is None
+        assert lib.kiln_attn_forward_bf16(*[None] * 8, 0, *[None] * 3, 1, 1, 1, 1, 1, 1, 1.0, 1) == 4
+        from kiln.kernels import attention
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 9, 8).bfloat16() for _ in range(3))
+        out, _ = attention.flash_forward_math(q, k, v, 0.0, True)
+        z = (q.double() @ k.double().transpose(-1, -2) / 8 ** 0.5).masked_fill(
+            torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+        torch.testing.assert_close(out.double(), torch.softmax(z, -1) @ v.double(), rtol=0, atol=3e-2)
+    finally:
+        native._library.cache_clear()
+
+
 def test_zero_adamw_out_of_place_writes_nothing_before_the_commit_and_matches_atens_fused_kernel():
     """ZeRO's out-of-place AdamW (kiln.optim.adamw_update_out) by the native loops: the new parameter is
     bit for bit ATen's `_fused_adamw_` on copies (what it replaces), the moments and step stay untouched until
