@@ -8,7 +8,7 @@ and `log_softmax_backward` reads both big tensors to write the gradient: about e
 keeps one log-sum-exp per row (the logits themselves are the model's output, alive anyway), and the
 backward writes `(softmax - onehot) * scale` straight from the logits.
 
-The CPU loops are Kiln's native ones (kiln/kernels/native.c, `kiln_ce_forward` / `kiln_ce_backward`),
+The CPU loops are Kiln's native ones (kiln/kernels/native_loss.c, `kiln_ce_forward` / `kiln_ce_backward`),
 for float32 and bfloat16 logits whose rows have a dense last dimension and int64 labels; anything else
 (another device or dtype, KILN_NATIVE=0, no compiler) runs the same arithmetic as ATen calls. The loss and
 the gradient are computed in fp32 and returned in the logits' dtype, as `F.cross_entropy` returns them.

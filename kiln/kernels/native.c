@@ -24,37 +24,7 @@
 #define ROW_MAX 8192 /* the Python side sends longer rows to ATen */
 
 /* ---- bf16 <-> fp32, as ATen converts (round to nearest even, NaN stays NaN) ---------------------- */
-static inline void load(float *restrict dst, const void *restrict src, int dt, int64_t n) {
-    if (dt == F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-        return;
-    }
-    const uint16_t *s = (const uint16_t *)src;
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u = (uint32_t)s[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        dst[i] = f;
-    }
-}
-
-static inline void store(void *restrict dst, int dt, const float *restrict src, int64_t n) {
-    if (dt == F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-        return;
-    }
-    uint16_t *d = (uint16_t *)dst;
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &src[i], 4);
-        uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-        d[i] = (uint16_t)(src[i] != src[i] ? 0x7FC0u : rounded);
-    }
-}
-
-/* one value each way, as load and store convert them: for loops that read and write bf16 in registers */
+/* one value each way (loops that read and write bf16 in registers call these directly) */
 static inline float bf16_f(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -67,6 +37,26 @@ static inline uint16_t f_bf16(float f) {
     memcpy(&u, &f, 4);
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     return (uint16_t)(f != f ? 0x7FC0u : rounded);
+}
+
+static inline void load(float *restrict dst, const void *restrict src, int dt, int64_t n) {
+    if (dt == F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_f(s[i]);
+}
+
+static inline void store(void *restrict dst, int dt, const float *restrict src, int64_t n) {
+    if (dt == F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) d[i] = f_bf16(src[i]);
 }
 
 /* x rounded to the precision of dt, in place (the value a tensor of that dtype would hold) */
