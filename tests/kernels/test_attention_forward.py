@@ -270,6 +270,8 @@ def test_a_materialized_causal_mask_runs_as_is_causal(hide):
     got = attention.flash_forward_math(q, k, v, 0.0, False, attn_mask=mask)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    # and both as close to float64 as ATen's flash kernel with the mask
+    _as_accurate_as_flash(*got, *_flash(q, k, v, False, mask), *_truth(q, k, v, True, None), torch.bfloat16)
     g = torch.randn(q.shape).bfloat16()
     for a, b in zip(attention.flash_backward_math(g, q, k, v, *want, 0.0, False, attn_mask=mask),
                     attention.flash_backward_math(g, q, k, v, *want, 0.0, True)):
