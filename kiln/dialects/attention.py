@@ -22,7 +22,7 @@ import torch
 from kiln.dialects.registry import dialect, kernel
 from kiln.dialects.sdpa import flash_backward
 from kiln.dialects.upcast import upcast_kernel
-from kiln.kernels.attention import flash_backward_math, flash_forward_math
+from kiln.kernels.attention import backward_from_probs, flash_backward_math, flash_forward_math, forward_keeping_probs
 
 aten = torch.ops.aten
 FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -55,3 +55,6 @@ kernel(ATTENTION, BACKWARD, upcast_kernel(flash_backward), checker=_half, name="
 kernel(ATTENTION, FORWARD, flash_forward_math, checker=_forward_ok, name="math_forward", measured=True)
 kernel(ATTENTION, BACKWARD, flash_backward_math, checker=_backward_ok, priority=1, name="math_backward",
        measured=True)
+# the pair that keeps the forward's probabilities for the backward (kiln/passes/keep_probs.py places it)
+kernel(ATTENTION, forward_keeping_probs, forward_keeping_probs, name="keep_probs")
+kernel(ATTENTION, backward_from_probs, backward_from_probs, name="from_probs")

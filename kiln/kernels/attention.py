@@ -176,10 +176,12 @@ def _causal(lib, mask: Tensor | None, is_causal: bool) -> bool:
 
 
 def _forward_bf16(lib, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
-                  scale: float) -> tuple[Tensor, Tensor]:
+                  scale: float, probs: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The bf16 forward as one native pass (`kiln_attn_forward_bf16`): for each head and 8 of its queries at a
     time, the head-group loop's products, row pass and scaling, the same arithmetic in the same order, with the
-    8 queries' scores and probabilities in cache instead of a (heads x queries x keys) buffer between them."""
+    8 queries' scores and probabilities in cache instead of a (heads x queries x keys) buffer between them.
+    Given `probs` (`probs_shape`, bf16, dense), the normalized probabilities are also written there, rounded
+    once, for `_backward_bf16` to read instead of computing them again."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     b, h, t, d = q.shape
     s, dv = k.shape[2], v.shape[3]
@@ -188,7 +190,7 @@ def _forward_bf16(lib, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_
     native.check(lib.kiln_attn_forward_bf16(
         native.ptr(q), native.strides(q), native.ptr(k), native.strides(k), native.ptr(v), native.strides(v),
         native.ptr(mask), native.strides(mask), int(is_causal), native.ptr(out), native.strides(out), native.ptr(lse),
-        b, h, t, s, d, dv, scale, native.threads()), "attention forward")
+        native.ptr(probs), b, h, t, s, d, dv, scale, native.threads()), "attention forward")
     return out, lse
 
 
@@ -247,10 +249,13 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
 
 
 def _backward_bf16(lib, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
-                   mask: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                   mask: Tensor | None, is_causal: bool, scale: float,
+                   probs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The bf16 backward as one native pass (`kiln_attn_backward_bf16`), a head per thread (so at least as many
     heads as threads): for 8 queries at a time rowsum(dO * O), the scores, probabilities and their gradients in
-    cache, dQ rounded once per tile, dK and dV summed in fp32 per head and rounded once at its end."""
+    cache, dQ rounded once per tile, dK and dV summed in fp32 per head and rounded once at its end. With the
+    forward's `probs`, the scores and probabilities are read from there instead (one product of five and an exp
+    per score fewer)."""
     grad_out, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (grad_out, q, k, v, out))
     b, h, t, d = q.shape
     s, dv = k.shape[2], v.shape[3]
@@ -260,9 +265,74 @@ def _backward_bf16(lib, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     native.check(lib.kiln_attn_backward_bf16(
         native.ptr(grad_out), native.strides(grad_out), native.ptr(q), native.strides(q), native.ptr(k),
         native.strides(k), native.ptr(v), native.strides(v), native.ptr(out), native.strides(out), native.ptr(lse),
-        native.ptr(mask), native.strides(mask), int(is_causal), native.ptr(dq), native.ptr(dk), native.ptr(dvv), grads,
+        native.ptr(probs), native.ptr(mask), native.strides(mask), int(is_causal), native.ptr(dq), native.ptr(dk),
+        native.ptr(dvv), grads,
         b, h, t, s, d, dv, scale, native.threads()), "attention backward")
     return dq, dk, dvv
+
+
+# ---- the probabilities kept from the forward for the backward ---------------------------------------------
+def probs_shape(q_shape, k_shape) -> tuple:
+    """The layout of the probabilities `forward_keeping_probs` keeps: (batch, query heads, queries, keys rounded
+    up to even), dense bf16 (the one-pass kernels read keys in pairs)."""
+    b, h, t = q_shape[:3]
+    s = k_shape[-2]
+    return (b, h, t, (s + 1) // 2 * 2)
+
+
+def keeps_probs_here() -> bool:
+    """Whether this machine runs the one-pass bf16 kernels that keep and read the probabilities: AVX-512 BF16's
+    pair products (`native.bf16_products`). Not on a CPU with AMX, whose bf16 tiles may make ATen's flash
+    kernels the faster choice there: the measured choice between flash and the products stays."""
+    return _bf16_products() is not None and not native.cpu_flag("amx_bf16")
+
+
+def _one_pass(lib, q: Tensor, k: Tensor, v: Tensor, *others: Tensor) -> bool:
+    return lib is not None and k.shape[2] > 0 and q.shape[0] * q.shape[1] >= native.threads() and \
+        all(x.dtype == torch.bfloat16 for x in (q, k, v, *others))
+
+
+def forward_keeping_probs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
+                          attn_mask: Tensor | None = None,
+                          scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """`flash_forward_math`'s output and log-sum-exp, and the normalized probabilities P = exp(z - lse) rounded
+    once to bf16 (`probs_shape`) for `backward_from_probs`, which then reads them instead of computing the
+    scores and their exps again. Where the one-pass bf16 kernels do not run (another dtype, fewer heads than
+    threads, KILN_NATIVE=0) the probabilities are an empty tensor and the backward computes them itself."""
+    rep = _kv_heads(q, k, v)
+    kr, vr = (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)) if rep > 1 else (k, v)
+    sc, mask, lib = _setup("forward_keeping_probs", q, kr, dropout_p, is_causal, attn_mask, scale, vr)
+    fused = _bf16_products() if lib is not None else None
+    if not _one_pass(fused, q, kr, vr):
+        out, lse = flash_forward_math(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        return out, lse, q.new_empty(0, dtype=torch.bfloat16)
+    probs = torch.empty(probs_shape(q.shape, k.shape), dtype=torch.bfloat16)
+    out, lse = _forward_bf16(fused, q, kr, vr, None if is_causal else mask, _causal(fused, mask, is_causal), sc,
+                             probs)
+    return out, lse, probs
+
+
+def backward_from_probs(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
+                        probs: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
+                        attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """`flash_backward_math`'s gradients, reading the probabilities `forward_keeping_probs` kept (the same
+    values the backward would compute, up to the last bit of the rounding: P = exp(z - max) / sum instead of
+    exp(z - lse)). Probabilities of any other shape, dtype or layout (an empty tensor: none were kept) are not
+    read: the backward computes them, as `flash_backward_math`."""
+    rep = _kv_heads(q, k, v)
+    if rep > 1:                     # per query head, then each key/value head's gradients summed over its queries'
+        dq, dk, dv = backward_from_probs(grad_out, q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), out,
+                                         logsumexp, probs, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        return dq, dk.unflatten(1, (k.shape[1], rep)).sum(2), dv.unflatten(1, (v.shape[1], rep)).sum(2)
+    kept = probs.dtype == torch.bfloat16 and probs.is_contiguous() and \
+        tuple(probs.shape) == probs_shape(q.shape, k.shape)
+    sc, mask, lib = _setup("backward_from_probs", q, k, dropout_p, is_causal, attn_mask, scale, v, grad_out, out)
+    fused = _bf16_products() if lib is not None else None
+    if not (kept and _one_pass(fused, q, k, v, grad_out, out)):
+        return flash_backward_math(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask,
+                                   scale=scale)
+    return _backward_bf16(fused, grad_out, q, k, v, out, logsumexp, None if is_causal else mask,
+                          _causal(fused, mask, is_causal), sc, probs)
 
 
 def _transposed_products(a: Tensor, b: Tensor, out: Tensor, is_causal: bool) -> None:

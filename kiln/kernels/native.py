@@ -74,10 +74,10 @@ _SIGNATURES = {
                       _int],
     "kiln_bf16_abt_built": [],
     "kiln_attn_mask_is_causal": [_ptr, _i64s, _i64, _i64, _i64, _i64],
-    "kiln_attn_forward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _int, _ptr, _i64s, _ptr, _i64, _i64,
-                               _i64, _i64, _i64, _i64, _dbl, _int],
-    "kiln_attn_backward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _ptr, _i64s, _int,
-                                _ptr, _ptr, _ptr, _i64s, _i64, _i64, _i64, _i64, _i64, _i64, _dbl, _int],
+    "kiln_attn_forward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _int, _ptr, _i64s, _ptr, _ptr, _i64,
+                               _i64, _i64, _i64, _i64, _i64, _dbl, _int],
+    "kiln_attn_backward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _ptr, _ptr, _i64s,
+                                _int, _ptr, _ptr, _ptr, _i64s, _i64, _i64, _i64, _i64, _i64, _i64, _dbl, _int],
 }
 
 
@@ -179,11 +179,12 @@ def bf16_products() -> Optional[ctypes.CDLL]:
     lib = library()
     if lib is None or torch.backends.cpu.get_cpu_capability() != "AVX512" or not lib.kiln_bf16_abt_built():
         return None
-    return lib if _cpu_flag("avx512_bf16") else None
+    return lib if cpu_flag("avx512_bf16") else None
 
 
 @functools.cache
-def _cpu_flag(flag: str) -> bool:
+def cpu_flag(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (False where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             return any(line.startswith("flags") and flag in line.split(":", 1)[1].split() for line in f)

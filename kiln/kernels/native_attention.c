@@ -317,11 +317,13 @@ int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, int a_t, const 
  * dv), element strides qs, ks, vs (batch, head, row; the last dimension dense); mask: fp32 (b, h, t, s) with
  * strides ms (0 where broadcast) and a dense last dimension, or NULL; `causal`: query i sees keys j <= i only (the
  * mask, if any, added to those: a causal mask a model materialized, kiln_attn_mask_is_causal). out: (b, h, t, dv) bf16 with strides os (a dense last dimension: ATen's
- * flash kernel lays it out as (b, t, h, dv)); lse: (b, h, t) dense fp32. */
+ * flash kernel lays it out as (b, t, h, dv)); lse: (b, h, t) dense fp32. probs: NULL, or (b, h, t, 2 ceil(s / 2))
+ * dense bf16 that receives P = exp(z - max) / sum per row, rounded once, 0 past the keys the row sees (what
+ * kiln_attn_backward_bf16 computes again from lse, kept instead where it is small: kiln/passes/keep_probs.py). */
 int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t *k, const int64_t *ks,
                            const uint16_t *v, const int64_t *vs, const float *mask, const int64_t *ms, int causal,
-                           uint16_t *out, const int64_t *os, float *lse, int64_t b, int64_t h, int64_t t, int64_t s,
-                           int64_t d, int64_t dv, double scale, int threads) {
+                           uint16_t *out, const int64_t *os, float *lse, uint16_t *probs, int64_t b, int64_t h,
+                           int64_t t, int64_t s, int64_t d, int64_t dv, double scale, int threads) {
     if (d <= 0 || dv <= 0 || s <= 0 || s > ROW_MAX || d > (1 << 16) || dv > (1 << 16)) return 2;
     int64_t kd = (d + 1) / 2, ks2 = (s + 1) / 2;            /* pairs along d (scores) and along keys (P v) */
     int64_t ns = (s + 31) / 32 * 32, nv = (dv + 31) / 32 * 32, tiles = (t + ABT_ROWS - 1) / ABT_ROWS;
@@ -369,6 +371,13 @@ int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t 
                     for (int64_t j = 0; j < nc; j++) z[j] = z[j] * sc;
                 }
                 row_probs(z, nc, &lse[bh * t + i], &rowscale[r]);
+                if (probs) {                /* P for the backward: normalized, rounded once, 0 past the row's keys */
+                    uint16_t *pr = probs + (bh * t + i) * 2 * ks2;
+                    float rs = rowscale[r];
+#pragma omp simd
+                    for (int64_t j = 0; j < nc; j++) pr[j] = f_bf16(z[j] * rs);
+                    memset(pr + nc, 0, (size_t)(2 * ks2 - nc) * sizeof(uint16_t));
+                }
                 store(ph + r * 2 * ks2, BF16, z, nc);
                 memset(ph + r * 2 * ks2 + nc, 0, (size_t)(2 * kend - nc) * sizeof(uint16_t));
             }
@@ -421,12 +430,15 @@ static void add_transposed(const uint16_t *x, int64_t xs, const uint16_t *y, int
  * kiln_bf16_abt's a_t form), with nothing (queries x keys)-sized in memory; delta = rowsum(dO * O) per query, in
  * fp32. Strides and layouts as kiln_attn_forward_bf16's (g: dO and o: the forward's output, as q but dv wide);
  * lse fp32 (b, h, t) dense; dq, dk, dv_ bf16 with the (batch, head, row) strides ds[0..2], ds[3..5], ds[6..8]
- * and dense last dimensions (ATen's flash backward gives them q's, k's and v's layouts). */
+ * and dense last dimensions (ATen's flash backward gives them q's, k's and v's layouts). probs: NULL, or the
+ * forward's P (kiln_attn_forward_bf16's probs): its rows are read in place of the scores' product and their exps
+ * (lse is then not read), and the blocks' dV and dK sums read them where they are. */
 int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t *q, const int64_t *qs,
                             const uint16_t *k, const int64_t *ks, const uint16_t *v, const int64_t *vs, const uint16_t *o,
-                            const int64_t *os, const float *lse, const float *mask, const int64_t *ms, int causal,
-                            uint16_t *dq, uint16_t *dk, uint16_t *dv_, const int64_t *ds, int64_t b, int64_t h,
-                            int64_t t, int64_t s, int64_t d, int64_t dv, double scale, int threads) {
+                            const int64_t *os, const float *lse, const uint16_t *probs, const float *mask,
+                            const int64_t *ms, int causal, uint16_t *dq, uint16_t *dk, uint16_t *dv_, const int64_t *ds,
+                            int64_t b, int64_t h, int64_t t, int64_t s, int64_t d, int64_t dv, double scale,
+                            int threads) {
     if (d <= 0 || dv <= 0 || s <= 0 || s > ROW_MAX || d > (1 << 16) || dv > (1 << 16)) return 2;
     int64_t kd = (d + 1) / 2, kv = (dv + 1) / 2, ks2 = (s + 1) / 2;
     int64_t ns = (s + 31) / 32 * 32, nd = (d + 31) / 32 * 32, nv = (dv + 31) / 32 * 32;
@@ -453,7 +465,7 @@ int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t
             int64_t bi = bh / h, hi = bh % h;
             const uint16_t *qh = q + bi * qs[0] + hi * qs[1], *kh = k + bi * ks[0] + hi * ks[1];
             const uint16_t *gh = g + bi * gs[0] + hi * gs[1], *oh = o + bi * os[0] + hi * os[1];
-            abt_pack(kh, ks[2], 0, s, d, kp, ns);
+            if (!probs) abt_pack(kh, ks[2], 0, s, d, kp, ns);
             abt_pack(v + bi * vs[0] + hi * vs[1], vs[2], 0, s, dv, vp, ns);
             abt_pack(kh, ks[2], 1, d, s, kk, nd);
             memset(dva, 0, (size_t)(s * nv) * sizeof(float));
@@ -463,18 +475,21 @@ int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t
                 int64_t last = i0 + rows - 1, q0 = i0 / QBLOCK * QBLOCK;
                 int64_t seen = causal && last + 1 < s ? last + 1 : s;
                 int64_t kend = causal && last + 1 < s ? (last + 2) / 2 : ks2;
-                /* this tile's rows of the block's P and dS */
-                uint16_t *ph = (uint16_t *)pt + (i0 - q0) * 2 * ks2, *dh = (uint16_t *)dt + (i0 - q0) * 2 * ks2;
-                abt_pack_rows(qh, qs[2], 0, i0, rows, d, 0, qt);
+                /* this tile's rows of the block's P (the forward's, or computed here) and dS */
+                const uint16_t *block = probs ? probs + (bh * t + q0) * 2 * ks2 : (const uint16_t *)pt;
+                uint16_t *ph = (uint16_t *)block + (i0 - q0) * 2 * ks2, *dh = (uint16_t *)dt + (i0 - q0) * 2 * ks2;
                 abt_pack_rows(gh, gs[2], 0, i0, rows, dv, 0, gt);
-                for (int64_t j0 = 0; j0 < seen; j0 += 32)
-                    abt_tile(qt, kd, 1, 0, kd, kp + j0, ns, st + j0, 0, ns, rows, s - j0);
-                for (int r = 0; r < rows; r++) {        /* P, rounded to bf16, 0 past what the row sees */
-                    int64_t i = i0 + r, nc = causal && i + 1 < s ? i + 1 : s;
-                    const float *mr = mask ? mask + bi * ms[0] + hi * ms[1] + i * ms[2] : NULL;
-                    int64_t n = row_probs_again(st + r * ns, mr, sc, lse[bh * t + i], nc, row);
-                    memset(row + n, 0, (size_t)(2 * kend - n) * sizeof(float));
-                    store(ph + r * 2 * ks2, BF16, row, 2 * kend);
+                if (!probs) {
+                    abt_pack_rows(qh, qs[2], 0, i0, rows, d, 0, qt);
+                    for (int64_t j0 = 0; j0 < seen; j0 += 32)
+                        abt_tile(qt, kd, 1, 0, kd, kp + j0, ns, st + j0, 0, ns, rows, s - j0);
+                    for (int r = 0; r < rows; r++) {    /* P, rounded to bf16, 0 past what the row sees */
+                        int64_t i = i0 + r, nc = causal && i + 1 < s ? i + 1 : s;
+                        const float *mr = mask ? mask + bi * ms[0] + hi * ms[1] + i * ms[2] : NULL;
+                        int64_t n = row_probs_again(st + r * ns, mr, sc, lse[bh * t + i], nc, row);
+                        memset(row + n, 0, (size_t)(2 * kend - n) * sizeof(float));
+                        store(ph + r * 2 * ks2, BF16, row, 2 * kend);
+                    }
                 }
                 for (int64_t j0 = 0; j0 < seen; j0 += 32)  /* dP = dO v^T over the scores */
                     abt_tile(gt, kv, 1, 0, kv, vp + j0, ns, st + j0, 0, ns, rows, s - j0);
@@ -494,8 +509,7 @@ int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t
                              1, ds[2], rows, d - c0);
                 if (last + 1 == t || last + 1 - q0 == QBLOCK) {   /* the block is whole: its part of dV and dK */
                     int qr = (int)(last + 1 - q0);
-                    add_transposed((uint16_t *)pt, 2 * ks2, gh + q0 * gs[2], gs[2], qr, q0, causal, seen, dv, yp, at,
-                                   dva, nv);
+                    add_transposed(block, 2 * ks2, gh + q0 * gs[2], gs[2], qr, q0, causal, seen, dv, yp, at, dva, nv);
                     add_transposed((uint16_t *)dt, 2 * ks2, qh + q0 * qs[2], qs[2], qr, q0, causal, seen, d, yp, at,
                                    dka, nd);
                 }
@@ -521,20 +535,21 @@ int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, int a_t, const 
 
 int kiln_attn_forward_bf16(const uint16_t *q, const int64_t *qs, const uint16_t *k, const int64_t *ks,
                            const uint16_t *v, const int64_t *vs, const float *mask, const int64_t *ms, int causal,
-                           uint16_t *out, const int64_t *os, float *lse, int64_t b, int64_t h, int64_t t, int64_t s,
-                           int64_t d, int64_t dv, double scale, int threads) {
+                           uint16_t *out, const int64_t *os, float *lse, uint16_t *probs, int64_t b, int64_t h,
+                           int64_t t, int64_t s, int64_t d, int64_t dv, double scale, int threads) {
     (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)mask, (void)ms, (void)causal, (void)out, (void)os,
-        (void)lse, (void)b, (void)h, (void)t, (void)s, (void)d, (void)dv, (void)scale, (void)threads;
+        (void)lse, (void)probs, (void)b, (void)h, (void)t, (void)s, (void)d, (void)dv, (void)scale, (void)threads;
     return 4;
 }
 
 int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t *q, const int64_t *qs,
                             const uint16_t *k, const int64_t *ks, const uint16_t *v, const int64_t *vs, const uint16_t *o,
-                            const int64_t *os, const float *lse, const float *mask, const int64_t *ms, int causal,
-                            uint16_t *dq, uint16_t *dk, uint16_t *dv_, const int64_t *ds, int64_t b, int64_t h,
-                            int64_t t, int64_t s, int64_t d, int64_t dv, double scale, int threads) {
-    (void)g, (void)gs, (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)o, (void)os, (void)lse, (void)mask,
-        (void)ms, (void)causal, (void)dq, (void)dk, (void)dv_, (void)ds, (void)b, (void)h, (void)t, (void)s, (void)d, (void)dv,
+                            const int64_t *os, const float *lse, const uint16_t *probs, const float *mask,
+                            const int64_t *ms, int causal, uint16_t *dq, uint16_t *dk, uint16_t *dv_, const int64_t *ds,
+                            int64_t b, int64_t h, int64_t t, int64_t s, int64_t d, int64_t dv, double scale,
+                            int threads) {
+    (void)g, (void)gs, (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)o, (void)os, (void)lse, (void)probs,
+        (void)mask, (void)ms, (void)causal, (void)dq, (void)dk, (void)dv_, (void)ds, (void)b, (void)h, (void)t, (void)s, (void)d, (void)dv,
         (void)scale, (void)threads;
     return 4;
 }

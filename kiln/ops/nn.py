@@ -9,6 +9,7 @@ import math
 import torch
 
 from kiln.ir.graph import Value
+from kiln.kernels.attention import backward_from_probs, forward_keeping_probs, probs_shape
 from kiln.ops.common import arg, reshape, shape
 from kiln.ops.registry import Cast, Kind, OpDef, defop, nondiff, register
 from kiln.ops.spectral import conj, is_complex
@@ -231,6 +232,33 @@ def _attention_flops(n) -> float:
 
 defop(aten._scaled_dot_product_flash_attention_for_cpu.default, vjp_flash_cpu, Kind.ATTENTION, LOW,
       cost=_attention_flops)
+
+
+# The flash pair with the forward's probabilities kept for the backward (kiln/passes/keep_probs.py puts them in
+# place of a forward and the backward that reads its log-sum-exp, after autodiff): same arguments, plus the
+# probabilities, output 2 of the forward and argument 6 of the backward.
+def _keep_probs_infer(args, kwargs):
+    from kiln.ir.builder import infer_metas
+    from kiln.ir.graph import TensorMeta
+    out, lse = infer_metas(aten._scaled_dot_product_flash_attention_for_cpu.default, args, kwargs)
+    q, k = args[0].meta, args[1].meta
+    probs = TensorMeta(probs_shape(q.shape, k.shape), torch.bfloat16, (), q.device).contiguous()
+    return [out, lse, probs]
+
+
+def _from_probs_infer(args, kwargs):
+    from kiln.ir.builder import infer_metas
+    return infer_metas(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, args[:6] + args[7:], kwargs)
+
+
+ATTENTION_KEEPING_PROBS = register(OpDef(
+    "kiln.attention_keeping_probs", (forward_keeping_probs,), None, Kind.ATTENTION, LOW, differentiable=False,
+    cost=_attention_flops, infer=_keep_probs_infer,
+    doc="CPU flash attention's forward that also returns the normalized probabilities (bf16) for its backward"))
+ATTENTION_FROM_PROBS = register(OpDef(
+    "kiln.attention_backward_from_probs", (backward_from_probs,), None, Kind.ATTENTION, LOW, differentiable=False,
+    infer=_from_probs_infer,
+    doc="CPU flash attention's backward reading the forward's probabilities instead of computing them again"))
 
 
 # ---- backward kernels the rules above emit ------------------------------------------------------

@@ -34,6 +34,7 @@ from kiln.passes.collectives import gather_params, reduce_gradients
 from kiln.passes.cse import common_subexpression_elimination
 from kiln.passes.dce import dead_code_elimination
 from kiln.passes.dispatch import dispatch
+from kiln.passes.keep_probs import keep_attention_probs
 from kiln.passes.fuse import fuse
 from kiln.passes.noops import remove_noops
 from kiln.passes.regions import find_regions, place_regions
@@ -228,6 +229,8 @@ PIPELINE: list[Pass] = [
     ("fold_accumulation", lambda c: fold_accumulation(c.graph)),
     # bf16 -> fp32 casts read by ops that promote; fp32 -> bf16 casts of kernel outputs into the kernels
     ("fold_casts", lambda c: fold_widening_casts(c.graph) + fold_narrowing_casts(c.graph)),
+    # attention's forward keeps its probabilities for its backward where they are small (no budget)
+    ("keep_probs", lambda c: keep_attention_probs(c.graph, c.dialects, c.memory_budget)),
     ("schedule", _schedule),             # the backward's independent ops reordered where the predicted peak drops
     ("remat", _remat),                   # under a memory budget: activations recomputed in the backward
     ("regions", lambda c: c.regions.extend(find_regions(c.graph, c.dialects, _limit(c)))),   # elementwise/reduction regions: kernels wanted

@@ -152,11 +152,14 @@ def test_the_step_trains_like_eager_with_the_measured_backward(amp, monkeypatch)
         torch.testing.assert_close(got, want.detach().float(), **tol)
     labels = {n.impl.label for n in step.graph.nodes
               if n.target in (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-                              aten._scaled_dot_product_flash_attention_for_cpu.default)}
+                              aten._scaled_dot_product_flash_attention_for_cpu.default,
+                              attention.forward_keeping_probs, attention.backward_from_probs)}
     if amp is None:
         assert labels == {"attention:math_backward", "attention:math_forward"}, labels
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    elif attention.keeps_probs_here():       # the pair that keeps P (kiln/passes/keep_probs.py): the same kernels
+        assert labels == {"attention:keep_probs", "attention:from_probs"}, labels
     elif cpu_has_native(torch.bfloat16):
         assert labels == {"attention:math_backward", "attention:math_forward"}, labels
     assert os.environ["KILN_KEEP"] == "all"

@@ -326,7 +326,8 @@ def test_a_compiler_without_avx512_bf16_builds_the_fallbacks(monkeypatch, tmp_pa
     try:
         lib = native.library()
         assert lib is not None and lib.kiln_bf16_abt_built() == 0 and native.bf16_products() is None
-        assert lib.kiln_attn_forward_bf16(*[None] * 8, 0, *[None] * 3, 1, 1, 1, 1, 1, 1, 1.0, 1) == 4
+        assert lib.kiln_attn_forward_bf16(*[None] * 8, 0, *[None] * 4, 1, 1, 1, 1, 1, 1, 1.0, 1) == 4
+        assert lib.kiln_attn_backward_bf16(*[None] * 14, 0, *[None] * 4, 1, 1, 1, 1, 1, 1, 1.0, 1) == 4
         from kiln.kernels import attention
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, 2, 9, 8).bfloat16() for _ in range(3))
