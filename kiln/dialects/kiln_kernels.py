@@ -37,6 +37,8 @@ def _gelu_tanh_ok(n) -> bool:
 kernel(KILN, torch.ops.aten.gelu.default, activations.gelu, checker=_gelu_tanh_ok, name="gelu_tanh")
 kernel(KILN, torch.ops.aten.gelu_backward.default, activations.gelu_backward, checker=_gelu_tanh_ok,
        name="gelu_tanh_backward")
+# gelu_backward with its bias's gradient (kiln/passes/accumulate.py `fold_column_sums` places it)
+kernel(KILN, activations.gelu_backward_sums, activations.gelu_backward_sums, name="gelu_backward_sums")
 
 
 # ---- fusions: unfused subgraphs -> kiln kernels (the `fuse` pass) ------------------------------
@@ -146,17 +148,6 @@ LINEAR_CE = Op(aten.nll_loss_forward.default, Op(aten._log_softmax.default, Opt(
     Opt(VIEW, T("labels")), Lit(None), V("reduction"), V("ignore_index"))
 
 
-def _with_bias(b, hidden: Value, w: Value, bias: Value) -> tuple[Value, Value]:
-    """A decoder with a bias (BERT's MLM head) as one product without it: h @ w.T + bias = [h, 1, ..] @
-    [w, bias, 0, ..].T, the extra columns padding the width to a multiple of 16 (AMX and AVX-512 tiles).
-    Autodiff takes grad_w and grad_bias from the weight's columns."""
-    width = shape(w)[-1]
-    pad = 16 - width % 16
-    padded = b(aten.constant_pad_nd.default, hidden, [0, pad], 1.0)
-    column = b(aten.constant_pad_nd.default, b(aten.unsqueeze.default, bias, 1), [0, pad - 1], 0.0)
-    return padded, b(aten.cat.default, [w, column], 1)
-
-
 def build_linear_cross_entropy(b, matches):
     (m,) = matches
     h, w, logits, labels = m["h"], m["w"], m["logits"], m["labels"]
@@ -174,10 +165,9 @@ def build_linear_cross_entropy(b, matches):
     if bias is not None and (len(shape(bias)) != 1 or bias.meta.dtype != w.meta.dtype or not same(shape(bias)[0], shape(w)[0])):
         return None
     hidden = reshape(b, h, [tokens, shape(h)[-1]])
-    if bias is not None:
-        hidden, w = _with_bias(b, hidden, w, bias)
-    args = (hidden, w, reshape(b, labels, [tokens]), m["ignore_index"], REDUCTIONS[m["reduction"]])
-    loss, *_grads = b(kiln_ops.linear_cross_entropy_grads.default, *args, 0)
+    args = (hidden, w, reshape(b, labels, [tokens]), m["ignore_index"], REDUCTIONS[m["reduction"]], 0)
+    # a decoder's bias (BERT's MLM head) is added to the logits as the kernel's softmax reads them, in fp32
+    loss, *_grads = b(kiln_ops.linear_cross_entropy_grads.default, *args, *(() if bias is None else (bias,)))
     if loss.meta.dtype != m.root.outputs[0].meta.dtype:
         loss = b(CAST, loss, dtype=m.root.outputs[0].meta.dtype)
     return [(loss, None)]

@@ -227,6 +227,29 @@ def gelu_backward(grad: Tensor, x: Tensor, approximate: str = "none", out: Optio
     return out
 
 
+def gelu_backward_sums(grad: Tensor, x: Tensor, approximate: str = "none") -> tuple[Tensor, Tensor]:
+    """(`aten.gelu_backward(grad, x, approximate=)`, its sum over every dimension but the last, in its dtype): the
+    gradient reaching a GELU's input and that of the bias added before it, which Hugging Face's MLPs (BERT's exact
+    GELU, GPT-2's tanh) compute as a second pass reading the first's result. One native pass
+    (`kiln_gelu_backward_sums`) for dense bfloat16 or float32 tensors of one shape on the CPU: each value rounded
+    once, the column sums of the rounded values in fp32; the exact form from one exp per value (ATen's takes two);
+    2048 x 2048 bf16 on the EPYC: 1.9 against 2.6 ms for ATen's backward and sum (exact; tanh 1.9 against 4.8).
+    Elsewhere ATen's two ops."""
+    lib = native.usable(grad, x)
+    if lib is None or approximate not in ("none", "tanh") or grad.shape != x.shape or grad.dtype != x.dtype \
+            or x.dim() < 1 or not (grad.is_contiguous() and x.is_contiguous()) or x.shape[-1] > 1 << 20:
+        out = aten.gelu_backward(grad, x, approximate=approximate)
+        return out, out.sum(tuple(range(out.dim() - 1))) if out.dim() > 1 else out.clone()
+    cols = x.shape[-1]
+    out = torch.empty_like(x)
+    sums = torch.empty(cols, dtype=torch.float32)
+    native.check(lib.kiln_gelu_backward_sums(grad.data_ptr(), native.code(grad), x.data_ptr(), native.code(x),
+                                             out.data_ptr(), native.code(out), x.numel() // max(cols, 1), cols,
+                                             int(approximate == "tanh"), sums.data_ptr(), native.threads()),
+                 "GELU backward with sums")
+    return out, sums.to(x.dtype)
+
+
 # ---- Linear + GELU ----------------------------------------------------------------------------
 def _check_approximate(approximate: str) -> None:
     if approximate not in ("none", "tanh"):

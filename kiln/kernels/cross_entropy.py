@@ -21,6 +21,8 @@ copy, small beside the vocabulary matmuls it shortens).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -247,21 +249,26 @@ def grads_budget(dtype: torch.dtype) -> int:
 
 @torch.library.custom_op("kiln::linear_cross_entropy_grads", mutates_args=())
 def linear_cross_entropy_grads_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, reduction: str,
-                                  chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, grad_hidden, grad_weight, scale) for reduction "mean" or "sum": the loss as
-    `linear_cross_entropy`'s; grad_hidden (hidden's dtype, 0 at ignored tokens) and grad_weight (fp32 for
-    half types) the gradients of the *sum* of the counted tokens' losses; scale (fp32, 0-dim) what turns
-    them into the loss's own (1 / counted tokens for "mean", 1 for "sum"). chunk_size <= 0 picks the chunk
-    from `grads_budget`. The backward multiplies both by
-    scale times its incoming gradient, after the loss: a half-type gradient is never made smaller than the
-    sum's, so it does not underflow before an fp16 loss scale reaches it."""
+                                  chunk_size: int, bias: Optional[Tensor] = None
+                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, grad_hidden, grad_weight, scale, grad_bias) for reduction "mean" or "sum": the loss as
+    `linear_cross_entropy`'s, of logits hidden @ weight.T (+ bias, a decoder's: added in fp32 to each row of
+    logits as the softmax reads it, not as a column of the product); grad_hidden (hidden's dtype, 0 at ignored
+    tokens), grad_weight and grad_bias (fp32 for half types; grad_bias empty without a bias) the gradients of
+    the *sum* of the counted tokens' losses; scale (fp32, 0-dim) what turns them into the loss's own (1 /
+    counted tokens for "mean", 1 for "sum"). chunk_size <= 0 picks the chunk from `grads_budget`. The backward
+    multiplies them by scale times its incoming gradient, after the loss: a half-type gradient is never made
+    smaller than the sum's, so it does not underflow before an fp16 loss scale reaches it."""
     impl = gpu_impl("linear_cross_entropy_grads", hidden)
     if impl is not None:
-        return impl(hidden, weight, labels, ignore_index, reduction, chunk_size)
+        return impl(hidden, weight, labels, ignore_index, reduction, chunk_size, bias)
     _check(hidden, weight, labels, reduction)
     if reduction == "none":
         raise ValueError("linear_cross_entropy_grads needs a mean or a sum (one incoming gradient for all tokens)")
     acc = acc_dtype(hidden.dtype)
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be ({weight.shape[0]},) for weight {tuple(weight.shape)}")
+    bias_acc = None if bias is None else bias.to(acc).contiguous()
     idx, hv, yv, n = _valid_rows(hidden, labels, ignore_index)
     k = hv.shape[0]
     lse = torch.empty(k, dtype=acc, device=hidden.device)
@@ -270,20 +277,26 @@ def linear_cross_entropy_grads_op(hidden: Tensor, weight: Tensor, labels: Tensor
     block = max(1, SOFTMAX_BLOCK // weight.shape[0])
     grads = _Grads(hv, weight, blocks=-(-k // step), acc_weight=True)
     per_token = torch.empty(k, dtype=acc, device=hidden.device) if _native_softmax(hidden) else None
+    gb = None if bias is None else torch.zeros(
+        (native.threads() if per_token is not None else 1, weight.shape[0]), dtype=acc, device=hidden.device)
     for s in range(0, k, step):
         e = min(k, s + step)
         z = torch.mm(hv[s:e], weight.t())                       # the chunk's logits, in hidden's dtype
         if per_token is not None:                               # one native pass per row, in place
-            _softmax_minus_onehot_native(z, yv[s:e], per_token[s:e], lse[s:e], ignore_index)
+            _softmax_minus_onehot_native(z, yv[s:e], per_token[s:e], lse[s:e], ignore_index, bias_acc, gb)
             grads.add(s, e, z)
             del z
             continue
         for r in range(s, e, block):                            # softmax - onehot over cache-sized blocks
             q = min(e, r + block)
             zb = z[r - s:q - s]
-            zf = zb if zb.dtype == acc else zb.to(acc)
+            zf = zb if zb.dtype == acc and bias_acc is None else zb.to(acc)
+            if bias_acc is not None:
+                zf.add_(bias_acc)
             target[r:q], lse[r:q], total = _exp_stats(zf, yv[r:q])
             zf.div_(total).scatter_add_(1, yv[r:q], zf.new_full((q - r, 1), -1.0))
+            if gb is not None:
+                gb[0].add_(zf.sum(0))
             if zf is not zb:
                 zb.copy_(zf)                                    # rounded once, in place of the logits
         grads.add(s, e, z)
@@ -291,7 +304,8 @@ def linear_cross_entropy_grads_op(hidden: Tensor, weight: Tensor, labels: Tensor
     loss = _reduce(per_token if per_token is not None else lse - target, idx, labels, reduction)
     gh, gw = grads.result(hidden, idx)
     scale = torch.tensor(1.0 / k if reduction == "mean" and k else 1.0, dtype=acc, device=hidden.device)
-    return loss, gh, gw, scale
+    grad_bias = hidden.new_empty(0, dtype=acc) if gb is None else gb.sum(0)
+    return loss, gh, gw, scale, grad_bias
 
 
 def _native_softmax(hidden: Tensor):
@@ -301,7 +315,8 @@ def _native_softmax(hidden: Tensor):
     return hidden.dtype == torch.bfloat16 and native.usable(hidden) is not None
 
 
-def _softmax_minus_onehot_native(z: Tensor, y: Tensor, per_token: Tensor, lse: Tensor, ignore_index: int) -> None:
+def _softmax_minus_onehot_native(z: Tensor, y: Tensor, per_token: Tensor, lse: Tensor, ignore_index: int,
+                                 bias: Tensor | None = None, bias_grad: Tensor | None = None) -> None:
     """A bf16 chunk of logits z (rows x vocab, contiguous) overwritten with softmax - onehot (computed in fp32,
     rounded once), each row's loss written into per_token and its log-sum-exp into lse (contiguous fp32). The
     rows are the counted tokens: no label equals `ignore_index`, and any other outside the vocabulary raises.
@@ -312,49 +327,55 @@ def _softmax_minus_onehot_native(z: Tensor, y: Tensor, per_token: Tensor, lse: T
     rows, cols = z.shape
     yy = y.reshape(-1).contiguous()
     status = lib.kiln_ce_grads(z.data_ptr(), native.code(z), z.stride(0), yy.data_ptr(), ignore_index,
-                               per_token.data_ptr(), lse.data_ptr(), rows, cols, native.threads())
+                               per_token.data_ptr(), lse.data_ptr(), rows, cols, native.ptr(bias),
+                               native.ptr(bias_grad), native.threads())
     if status == 2:
         _out_of_range(yy, ignore_index, cols)
     native.check(status, "cross-entropy")
 
 
 @linear_cross_entropy_grads_op.register_fake
-def _(hidden, weight, labels, ignore_index, reduction, chunk_size):
+def _(hidden, weight, labels, ignore_index, reduction, chunk_size, bias=None):
     _check(hidden, weight, labels, reduction)
     acc = acc_dtype(hidden.dtype)
     return (hidden.new_empty((), dtype=acc), hidden.new_empty(hidden.shape), weight.new_empty(weight.shape, dtype=acc),
-            hidden.new_empty((), dtype=acc))
+            hidden.new_empty((), dtype=acc), weight.new_empty((0,) if bias is None else (weight.shape[0],), dtype=acc))
 
 
 @torch.library.custom_op("kiln::linear_cross_entropy_grads_backward", mutates_args=())
 def linear_cross_entropy_grads_backward_op(grad: Tensor, grad_hidden: Tensor, grad_weight: Tensor, scale: Tensor,
-                                           weight_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(grad_hidden, grad_weight) of the loss: the forward's gradients of the sum times scale * grad, the
-    weight's in `weight_dtype`."""
+                                           weight_dtype: torch.dtype, grad_bias: Optional[Tensor] = None
+                                           ) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden, grad_weight, grad_bias) of the loss: the forward's gradients of the sum times scale *
+    grad, the weight's and the bias's in `weight_dtype` (grad_bias empty without one)."""
     impl = gpu_impl("linear_cross_entropy_grads_backward", grad_hidden)
     if impl is not None:
-        return impl(grad, grad_hidden, grad_weight, scale, weight_dtype)
+        return impl(grad, grad_hidden, grad_weight, scale, weight_dtype, grad_bias)
     g = grad * scale
-    return grad_hidden * g.to(grad_hidden.dtype), (grad_weight * g).to(weight_dtype)
+    gb = grad_weight.new_empty(0, dtype=weight_dtype) if grad_bias is None else (grad_bias * g).to(weight_dtype)
+    return grad_hidden * g.to(grad_hidden.dtype), (grad_weight * g).to(weight_dtype), gb
 
 
 @linear_cross_entropy_grads_backward_op.register_fake
-def _(grad, grad_hidden, grad_weight, scale, weight_dtype):
-    return grad_hidden.new_empty(grad_hidden.shape), grad_weight.new_empty(grad_weight.shape, dtype=weight_dtype)
+def _(grad, grad_hidden, grad_weight, scale, weight_dtype, grad_bias=None):
+    return (grad_hidden.new_empty(grad_hidden.shape), grad_weight.new_empty(grad_weight.shape, dtype=weight_dtype),
+            grad_weight.new_empty((0,) if grad_bias is None else grad_bias.shape, dtype=weight_dtype))
 
 
 def _setup_grads(ctx, inputs, output):
-    _loss, gh, gw, scale = output
-    ctx.mark_non_differentiable(gh, gw, scale)
+    _loss, gh, gw, scale, gb = output
+    ctx.mark_non_differentiable(gh, gw, scale, gb)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(gh, gw, scale)
+    ctx.save_for_backward(gh, gw, scale, gb)
     ctx.dtype = inputs[1].dtype
+    ctx.biased = len(inputs) > 6 and inputs[6] is not None
 
 
 def _backward_grads(ctx, grad, *_unused):
-    gh, gw, scale = ctx.saved_tensors
-    grad_hidden, grad_weight = torch.ops.kiln.linear_cross_entropy_grads_backward(grad, gh, gw, scale, ctx.dtype)
-    return grad_hidden, grad_weight, None, None, None, None
+    gh, gw, scale, gb = ctx.saved_tensors
+    grad_hidden, grad_weight, grad_bias = torch.ops.kiln.linear_cross_entropy_grads_backward(
+        grad, gh, gw, scale, ctx.dtype, gb if ctx.biased else None)
+    return grad_hidden, grad_weight, None, None, None, None, grad_bias if ctx.biased else None
 
 
 linear_cross_entropy_grads_op.register_autograd(_backward_grads, setup_context=_setup_grads)

@@ -442,6 +442,90 @@ int kiln_gelu_tanh_backward(const void *grad, int g_dt, const void *x, int x_dt,
     return 0;
 }
 
+/* ---- GELU's backward with its result's column sums (a bias's gradient) ------------------------------------
+ * out = grad * gelu'(x) over rows x cols (dense), and sums[c] = the sum over rows of out[r][c] as out's dtype holds
+ * it (what aten.sum over out's leading dims reads: the gradient of the bias added before the GELU), summed in fp32
+ * over blocks of 64 rows, the blocks of each thread's rows then the threads added in order. `approximate` 1: the
+ * tanh form (gelu_backward_f); 0: the exact one, gelu'(x) = Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi),
+ * with Phi from the same exp: erfc(z) = t (a1 + t (a2 + .. + t a5)) exp(-z^2), t = 1 / (1 + p z), z = |x| / sqrt 2
+ * (Abramowitz and Stegun 7.1.26, error below 1.5e-7), Phi = erfc(z) / 2 for x < 0 (no cancellation in the tail)
+ * and 1 - erfc(z) / 2 otherwise: one exp where gelu'(x) written with erf takes two. */
+static inline float gelu_erf_backward_f(float g, float v) {
+    float e = exp_approx(-0.5f * v * v), t = 1.0f / (1.0f + 0.3275911f * 0.70710678118654752f * fabsf(v));
+    float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+    float half_erfc = 0.5f * poly * e;
+    float cdf = v < 0.0f ? half_erfc : 1.0f - half_erfc;
+    return g * (cdf + v * e * 0.39894228040143268f);
+}
+
+#define SUM_ROWS 64
+
+int kiln_gelu_backward_sums(const void *grad, int g_dt, const void *x, int x_dt, void *out, int o_dt, int64_t rows,
+                            int64_t cols, int approximate, float *sums, int threads) {
+    if (cols <= 0 || cols > (1 << 20)) return 2;
+    int bf = ALL_BF16(g_dt, x_dt, o_dt);
+    if (!bf && (g_dt != F32 || x_dt != F32 || o_dt != F32)) return 2;
+    float *part = calloc((size_t)threads * (size_t)cols, sizeof(float));
+    int bad = part == NULL, used = 1;
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+        int64_t lo, hi;
+        share(rows, &lo, &hi);
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#pragma omp single
+        used = omp_get_num_threads();
+#endif
+        float *blk = malloc((size_t)cols * sizeof(float));
+        if (!blk) bad = 1;
+        float *tot = part ? part + (size_t)me * (size_t)cols : NULL;
+        for (int64_t r0 = lo; r0 < hi && tot && blk; r0 += SUM_ROWS) {
+            int64_t r1 = hi - r0 < SUM_ROWS ? hi : r0 + SUM_ROWS;
+            memset(blk, 0, (size_t)cols * sizeof(float));
+            for (int64_t r = r0; r < r1; r++) {
+                if (bf) {
+                    const uint16_t *gr = (const uint16_t *)grad + r * cols, *xr = (const uint16_t *)x + r * cols;
+                    uint16_t *o = (uint16_t *)out + r * cols;
+                    if (approximate) {
+#pragma omp simd
+                        for (int64_t c = 0; c < cols; c++) {
+                            o[c] = f_bf16(gelu_backward_f(bf16_f(gr[c]), bf16_f(xr[c])));
+                            blk[c] += bf16_f(o[c]);
+                        }
+                    } else {
+#pragma omp simd
+                        for (int64_t c = 0; c < cols; c++) {
+                            o[c] = f_bf16(gelu_erf_backward_f(bf16_f(gr[c]), bf16_f(xr[c])));
+                            blk[c] += bf16_f(o[c]);
+                        }
+                    }
+                } else {
+                    const float *gr = (const float *)grad + r * cols, *xr = (const float *)x + r * cols;
+                    float *o = (float *)out + r * cols;
+                    if (approximate) {
+#pragma omp simd
+                        for (int64_t c = 0; c < cols; c++) blk[c] += o[c] = gelu_backward_f(gr[c], xr[c]);
+                    } else {
+#pragma omp simd
+                        for (int64_t c = 0; c < cols; c++) blk[c] += o[c] = gelu_erf_backward_f(gr[c], xr[c]);
+                    }
+                }
+            }
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) tot[c] += blk[c];
+        }
+        free(blk);
+    }
+    if (!bad) {
+        for (int64_t c = 0; c < cols; c++) sums[c] = part[c];
+        for (int th = 1; th < used; th++)
+            for (int64_t c = 0; c < cols; c++) sums[c] += part[(size_t)th * (size_t)cols + c];
+    }
+    free(part);
+    return bad ? 3 : 0;
+}
+
 /* ---- AdamW out of place (ZeRO) -----------------------------------------------------------------------
  * kiln_adamw_param: the new parameter from p, g and the moments as they will be after this step, written to
  * p_out; the moments themselves are not written (the step may still fail before its commit).

@@ -141,14 +141,25 @@ int kiln_ce_backward(const void *x, int dt, int64_t xs, const int64_t *labels, i
 /* kiln_ce_forward and kiln_ce_backward (scale 1) in one call, the gradient written over x: per row its max, then
  * e = exp(x - max) into a row buffer (fp32) with its sum, lse and the loss, then e / sum - onehot; one exp per
  * logit instead of two and the row read twice instead of three times. e / sum is as accurate as exp(x - lse)
- * (more, where lse is large: x - lse rounds). Returns 2 when a label is outside [0, cols) and not `ignore`
- * (that row NaN), 3 when a row buffer could not be allocated. */
+ * (more, where lse is large: x - lse rounds). bias (fp32, cols; or NULL) is added to each row as it is read (a
+ * decoder's bias: the logits x + bias, in fp32), and bias_grad (threads x cols fp32 zeros; or NULL) receives each
+ * thread's sums of its rows' gradients in fp32, before rounding (the bias's gradient: the caller adds the threads'
+ * rows). Returns 2 when a label is outside [0, cols) and not `ignore` (that row NaN), 3 when a row buffer could not
+ * be allocated. */
 int kiln_ce_grads(void *x, int dt, int64_t xs, const int64_t *labels, int64_t ignore, float *loss, float *lse,
-                  int64_t rows, int64_t cols, int threads) {
+                  int64_t rows, int64_t cols, const float *bias, float *bias_grad, int threads) {
     int bad = 0;
 #pragma omp parallel num_threads(threads) reduction(| : bad)
     {
         float *e = malloc((size_t)(cols > 0 ? cols : 1) * sizeof(float));
+        float *gb = NULL;             /* this thread's sums of its rows' gradients: the bias's gradient */
+        if (bias_grad) {
+            int me = 0;
+#ifdef _OPENMP
+            me = omp_get_thread_num();
+#endif
+            gb = bias_grad + (size_t)me * (size_t)cols;
+        }
         if (!e) bad |= 4;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
@@ -162,6 +173,10 @@ int kiln_ce_grads(void *x, int dt, int64_t xs, const int64_t *labels, int64_t ig
                 for (int64_t lo = 0; lo < cols; lo += BLOCK) {
                     int64_t n = cols - lo < BLOCK ? cols - lo : BLOCK;
                     load(e + lo, elem(row, dt, lo), dt, n);
+                    if (bias) {
+#pragma omp simd
+                        for (int64_t j = lo; j < lo + n; j++) e[j] += bias[j];
+                    }
                     m = block_max(e + lo, n, m, &nan);
                 }
             if (skip || out || nan || m == INFINITY || m == -INFINITY) {   /* 0 (ignored) or NaN, as the pair */
@@ -170,6 +185,8 @@ int kiln_ce_grads(void *x, int dt, int64_t xs, const int64_t *labels, int64_t ig
                 loss[r] = lse[r] = fill;
                 for (int64_t j = 0; j < cols; j++) e[j] = fill;
                 store(row, dt, e, cols);
+                if (gb && !skip)
+                    for (int64_t j = 0; j < cols; j++) gb[j] += fill;
                 continue;
             }
             double sum = 0.0;
@@ -181,11 +198,15 @@ int kiln_ce_grads(void *x, int dt, int64_t xs, const int64_t *labels, int64_t ig
             lse[r] = (float)l;
             float xy;
             load(&xy, elem(row, dt, y), dt, 1);
-            loss[r] = (float)(l - (double)xy);
+            loss[r] = (float)(l - ((double)xy + (bias ? (double)bias[y] : 0.0)));
             float inv = (float)(1.0 / sum);
 #pragma omp simd
             for (int64_t j = 0; j < cols; j++) e[j] *= inv;
             e[y] -= 1.0f;
+            if (gb) {
+#pragma omp simd
+                for (int64_t j = 0; j < cols; j++) gb[j] += e[j];
+            }
             store(row, dt, e, cols);
         }
         free(e);

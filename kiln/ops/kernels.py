@@ -211,9 +211,11 @@ _backward_op(kiln_ops.linear_cross_entropy_backward.default, Kind.LOSS, LOW,
 # logits, for the same 3 matmuls as eager. Keeping less would not lower the peak: the backward makes both
 # gradients first thing, which is where the forward's activations are all still live.
 def vjp_linear_cross_entropy_grads(b, n, g, *_unused):
-    _loss, gh, gw, scale = n.outputs
-    gx, gwx = b(kiln_ops.linear_cross_entropy_grads_backward.default, g, gh, gw, scale, n.args[1].meta.dtype)
-    return gx, gwx, None, None, None, None
+    _loss, gh, gw, scale, gb = n.outputs
+    biased = len(n.args) > 6 and n.args[6] is not None
+    gx, gwx, gbx = b(kiln_ops.linear_cross_entropy_grads_backward.default, g, gh, gw, scale, n.args[1].meta.dtype,
+                     gb if biased else None)
+    return gx, gwx, None, None, None, None, *((gbx,) if biased else ())
 
 
 defop(kiln_ops.linear_cross_entropy_grads.default, vjp_linear_cross_entropy_grads, Kind.LOSS, LOW,

@@ -9,6 +9,7 @@ import math
 import torch
 
 from kiln.ir.graph import Value
+from kiln.kernels.activations import gelu_backward_sums
 from kiln.kernels.attention import backward_from_probs, forward_keeping_probs, probs_shape
 from kiln.ops.common import arg, reshape, shape
 from kiln.ops.registry import Cast, Kind, OpDef, defop, nondiff, register
@@ -263,7 +264,23 @@ ATTENTION_FROM_PROBS = register(OpDef(
 
 # ---- backward kernels the rules above emit ------------------------------------------------------
 # Facts for the passes after autodiff (region fusion reads the kind); never differentiated again.
-nondiff([aten.gelu_backward.default, aten.threshold_backward.default, aten.tanh_backward.default,
+def _gelu_backward_sums_infer(args, kwargs):
+    from kiln.ir.builder import infer_metas
+    from kiln.ir.graph import TensorMeta
+    (grad,) = infer_metas(aten.gelu_backward.default, args[:2], {"approximate": _arg_of(args, kwargs, 2, "approximate")})
+    return [grad, TensorMeta(tuple(grad.shape[-1:]), grad.dtype, (), grad.device).contiguous()]
+
+
+def _arg_of(args, kwargs, i, name, default="none"):
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+GELU_BACKWARD_SUMS = register(OpDef(
+    "kiln.gelu_backward_sums", (gelu_backward_sums,), None, Kind.OPAQUE, Cast.FOLLOW, differentiable=False,
+    infer=_gelu_backward_sums_infer,
+    doc="gelu_backward and its sum over the leading dims (a bias's gradient) in one pass"))
+defop(aten.gelu_backward.default, None, Kind.POINTWISE, differentiable=False, column_sums=GELU_BACKWARD_SUMS)
+nondiff([aten.threshold_backward.default, aten.tanh_backward.default,
          aten.sigmoid_backward.default, aten.silu_backward.default, aten.native_dropout_backward.default,
          aten.elu_backward.default, aten.hardtanh_backward.default, aten.leaky_relu_backward.default],
         Kind.POINTWISE)

@@ -84,6 +84,9 @@ class OpDef:
     # (i, j): output i plus a tensor t of its shape equals the op with t as its argument j (given as None):
     # an add of output i folds into the kernel (kiln/passes/accumulate.py)
     accumulates: tuple[int, int] | None = None
+    # an op computing this op's outputs and, after them, output 0's sum over every dimension but the last (a
+    # bias's gradient, which the graph sums in a second pass): the sum folds into it (kiln/passes/accumulate.py)
+    column_sums: "OpDef | None" = None
     # the op computes each row of some leading dims of its outputs from the same row of the arguments at
     # given positions alone (other arguments apply to every row: weights): given the node, (those positions,
     # how many leading dims at most are rows), or None where this use mixes rows. Pointwise ops need no

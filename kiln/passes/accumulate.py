@@ -1,4 +1,4 @@
-"""Sums folded into the kernels that can add a tensor to their own output.
+"""Sums folded into the kernels that can add a tensor to their own output, or sum it.
 
 The backward of a residual network adds gradients: the gradient of the residual stream is the sum of the
 gradient reaching it directly and the one through its branch's normalization (`add(rms_norm_backward(...),
@@ -10,6 +10,16 @@ written once, no second pass reads it, and a narrowing cast of the sum then fold
 Only where the result is the same bits: both addends and the sum in float32 (the kernel adds in float32
 before it rounds, so a narrower output would be rounded once where the graph rounded twice), the same
 shape (no broadcast), alpha 1, and the other addend computed before the kernel (nothing is moved).
+
+A bias's gradient is the sum of the gradient reaching its output over every dimension but the last; where
+that gradient is an op's result (BERT's and GPT-2's GELU backward), a second pass reads it all again. An op
+declaring `OpDef.column_sums` (a twin computing its outputs from the same arguments and, after them, that
+sum) becomes its twin where the graph sums its output 0, or a view of it keeping the last dimension, over
+all the other dimensions (`fold_column_sums`); the sum becomes a view of the twin's. The twin's kernel sums
+the values as the output's dtype holds them, in fp32, in its own order. Only for half-type outputs, whose
+rounding is the error that counts: in fp32 the twin's last bits (its erf, its order of summation) would differ
+from ATen's, and fp32 steps keep eager's arithmetic where they can (a parameter whose true gradient is 0, a key
+projection's bias, gets that rounding noise as its gradient, which Adam scales up to lr-sized steps).
 """
 from __future__ import annotations
 
@@ -59,3 +69,59 @@ def _kernel_taking(mine, other, add: Node, users: dict, live: set, pos: dict) ->
     if other.producer is not None and pos[other.producer.uid] > pos[n.uid]:
         return None                                 # computed after the kernel: it would have to move
     return n
+
+
+def fold_column_sums(graph: Graph, dialects: tuple[str, ...]) -> int:
+    """Fold `sum(op(...)[0] or a view of it, every dim but the last)` into the op's `column_sums` twin where an
+    enabled dialect runs the twin. Returns how many sums were folded."""
+    from kiln.dialects import registry as kernels
+    from kiln.ops import registry
+    twins: dict[int, Value] = {}                    # node uid -> its sums output
+    folded = 0
+    for s in graph.nodes:
+        n = _summed_node(s)
+        if n is None:
+            continue
+        twin = n.op.column_sums
+        if n.uid not in twins:
+            if not any(i.dialect.name in dialects for i in kernels.impls_for(twin.targets[0])):
+                continue
+            meta = twin.infer(n.args, n.kwargs)[1]
+            sums = Value(graph.fresh_name("column_sums"), meta)
+            sums.producer = n
+            n.op, n.target, n.outputs = twin, twin.targets[0], [*n.outputs, sums]
+            twins[n.uid] = sums
+        out = s.outputs[0]
+        s.op, s.target = registry.lookup(aten.view.default), aten.view.default
+        s.args, s.kwargs = (twins[n.uid], list(out.meta.shape)), {}
+        folded += 1
+    return folded
+
+
+def _summed_node(s: Node) -> Node | None:
+    """The node with a `column_sums` twin whose output 0 `s` sums over every dimension but the last (reading
+    it or a view of it that keeps that dimension), or None."""
+    if s.target is not aten.sum.dim_IntList or s.kwargs.get("dtype") is not None or len(s.args) < 2:
+        return None
+    src, dims = s.args[0], s.args[1]
+    if not isinstance(src, Value) or src.meta is None or not isinstance(dims, (list, tuple)):
+        return None
+    rank = len(src.meta.shape)
+    if rank < 2 or sorted(d % rank for d in dims) != list(range(rank - 1)):
+        return None
+    base = src
+    if base.producer is not None and base.producer.target in _VIEWS and len(base.producer.inputs) == 1:
+        inner = base.producer.inputs[0]
+        if inner.meta is not None and same(inner.meta.shape[-1:], src.meta.shape[-1:]):
+            base = inner
+    n = base.producer
+    if n is None or n.op.column_sums is None or base is not n.outputs[0]:
+        return None
+    if not same(s.outputs[0].meta.shape[-1:], base.meta.shape[-1:]) or s.outputs[0].meta.dtype != base.meta.dtype:
+        return None
+    if base.meta.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return n
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)

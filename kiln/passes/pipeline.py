@@ -27,7 +27,7 @@ from kiln.optim import (ACCUMULATE, LOSS_SCALE, RECORD_METRIC, ZERO_ACCUMULATED,
 from kiln.passes.amp import AmpPolicy, autocast
 from kiln.passes.canonicalize import canonicalize, lower_dialects
 from kiln.passes.chunk import chunk_rows
-from kiln.passes.accumulate import fold_accumulation
+from kiln.passes.accumulate import fold_accumulation, fold_column_sums
 from kiln.passes.casts import fold_narrowing_casts, fold_widening_casts
 from kiln.passes.schedule import Schedule, schedule_backward
 from kiln.passes.collectives import gather_params, reduce_gradients
@@ -226,7 +226,8 @@ PIPELINE: list[Pass] = [
     ("dce", lambda c: dead_code_elimination(c.graph)),
     ("fuse", lambda c: fuse(c.graph, c.dialects, "training")),    # e.g. all AdamW updates -> one kernel
     # residual gradients' sums into the kernel that makes one addend (rms_norm_backward's grad_sum)
-    ("fold_accumulation", lambda c: fold_accumulation(c.graph)),
+    # and bias gradients' sums into the kernel making the summed gradient (gelu_backward's twin)
+    ("fold_accumulation", lambda c: fold_accumulation(c.graph) + fold_column_sums(c.graph, c.dialects)),
     # bf16 -> fp32 casts read by ops that promote; fp32 -> bf16 casts of kernel outputs into the kernels
     ("fold_casts", lambda c: fold_widening_casts(c.graph) + fold_narrowing_casts(c.graph)),
     # attention's forward keeps its probabilities for its backward where they are small (no budget)

@@ -1,12 +1,17 @@
 """swiglu, swiglu_linear and linear_gelu vs unfused PyTorch."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import kiln.kernels as K
+from kiln.kernels import activations
 from tests.kernels import refs
 from tests.kernels.refs import BF16, FP32, FP64, LAYOUTS, check
+
+aten = torch.ops.aten
 
 SHAPES = [(9, 24), (2, 7, 40), (2, 3, 5, 16)]
 
@@ -148,3 +153,61 @@ def test_linear_gelu_of_goes_through_an_observed_module(recompute):
     out = K.linear_gelu_of(x, fc, approximate="tanh", recompute=recompute)
     assert calls == [1]
     torch.testing.assert_close(out, torch.nn.functional.gelu(fc(x), approximate="tanh"))
+
+
+# ---- GELU's backward with its bias's gradient (one pass) ------------------------------------------------
+def _gelu_grad_truth(g, x, approximate):
+    gd, xd = g.double(), x.double()
+    if approximate == "tanh":
+        k = (2 / math.pi) ** 0.5
+        th = torch.tanh(k * (xd + 0.044715 * xd ** 3))
+        return gd * (0.5 * (1 + th) + 0.5 * xd * (1 - th ** 2) * k * (1 + 3 * 0.044715 * xd ** 2))
+    return gd * (0.5 * (1 + torch.erf(xd / 2 ** 0.5)) + xd * torch.exp(-0.5 * xd ** 2) / (2 * math.pi) ** 0.5)
+
+
+@pytest.mark.parametrize("shape", [(8, 64, 2048), (3, 70, 37), (129, 1), (1, 5)])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gelu_backward_sums_against_float64(dtype, approximate, shape):
+    """The gradient as close to float64 as ATen's gelu_backward (bf16: correctly rounded at least as often, never
+    further than one rounding; fp32: within a few ulps of the value), and the column sums those of the values
+    it returns, summed in float64, within fp32 summation error (then rounded once to the dtype)."""
+    torch.manual_seed(0)
+    g, x = torch.randn(shape).to(dtype), (torch.randn(shape) * 3).to(dtype)
+    out, sums = activations.gelu_backward_sums(g, x, approximate)
+    ref = aten.gelu_backward(g, x, approximate=approximate)
+    truth = _gelu_grad_truth(g, x, approximate)
+    assert out.dtype == dtype and out.shape == x.shape and sums.dtype == dtype and sums.shape == x.shape[-1:]
+    if dtype == torch.bfloat16 and x.numel() >= 10000:     # a rate: over many values
+        rounded = truth.to(dtype)
+        assert (out == rounded).float().mean() >= (ref == rounded).float().mean() - 1e-3
+    # within a rounding of the dtype, plus the erf approximation's 1.5e-7 (ATen's is of the same kind) times |g|
+    err = (out.double() - truth).abs()
+    assert (err <= torch.finfo(dtype).eps * truth.abs() + 4e-7 * g.double().abs()).all(), err.max().item()
+    want = out.double().reshape(-1, shape[-1]).sum(0)
+    bound = out.double().abs().reshape(-1, shape[-1]).sum(0) * 1e-6 + want.abs() * torch.finfo(dtype).eps
+    assert ((sums.double() - want).abs() <= bound).all()
+
+
+def test_gelu_backward_sums_keep_nan_and_inf_to_their_columns():
+    g, x = torch.randn(70, 40).bfloat16(), torch.randn(70, 40).bfloat16()
+    x[3, 5], g[9, 7] = float("nan"), float("inf")
+    out, sums = activations.gelu_backward_sums(g, x, "none")
+    assert out[3, 5].isnan() and not out[9, 7].isfinite()
+    assert sums[5].isnan() and not sums[7].isfinite()
+    others = [c for c in range(40) if c not in (5, 7)]
+    assert torch.isfinite(sums[others]).all() and torch.isfinite(out[:, others]).all()
+
+
+def test_gelu_backward_sums_elsewhere_are_atens_two_ops(monkeypatch):
+    """A transposed input, mixed dtypes or KILN_NATIVE=0: ATen's gelu_backward and sum, bit for bit."""
+    torch.manual_seed(1)
+    g, x = torch.randn(40, 24).bfloat16(), torch.randn(24, 40).bfloat16().t()
+    out, sums = activations.gelu_backward_sums(g, x, "none")
+    ref = aten.gelu_backward(g, x)
+    assert torch.equal(out, ref) and torch.equal(sums, ref.sum(0))
+    monkeypatch.setenv("KILN_NATIVE", "0")
+    x = x.contiguous()
+    out, sums = activations.gelu_backward_sums(g, x, "tanh")
+    ref = aten.gelu_backward(g, x, approximate="tanh")
+    assert torch.equal(out, ref) and torch.equal(sums, ref.sum(0))

@@ -4,8 +4,6 @@ of the same rounded inputs and ATen's CPU flash kernels; the fallbacks where non
 in a compiled step and the step against eager."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -167,23 +165,8 @@ def _labels(step) -> set:
 def test_a_bf16_step_with_kept_probabilities_trains_like_eager(name):
     """Where this machine keeps them, a bf16 step's attention pairs keep their probabilities (the tiny models'
     are small), and the step tracks eager autocast as closely as without them."""
-    import kiln
-    from tests.models import zoo
-    torch.manual_seed(0)
-    model, args, kwargs, _ = zoo.MODELS[name]()
-    ref = copy.deepcopy(model)
-    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.1), amp="bf16")
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for _ in range(3):
-        got = step(*args, **kwargs)
-        opt.zero_grad()
-        with torch.autocast("cpu", torch.bfloat16):
-            want = ref(*args, **kwargs).loss
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(got, want.detach().float(), rtol=2e-2, atol=2e-2)
-    for p, r in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, r, rtol=2e-2, atol=2e-2)
+    from tests.models.reference import sgd_like_eager
+    step = sgd_like_eager(name, "bf16")
     labels = _labels(step)
     if attention.keeps_probs_here():
         assert labels == {KEEP, FROM}, labels

@@ -75,11 +75,17 @@ def samples():
                     (f"lce_backward-{red}-{tag}", k.linear_cross_entropy_backward.default,
                      (torch.randn_like(loss), *_plain(h, wv), y, lse, -100, red, 4), DETERMINISTIC)]
         for red in ("mean", "sum"):
-            loss, gh, gw, scale = k.linear_cross_entropy_grads(*_plain(h, wv), y, -100, red, 4)
+            loss, gh, gw, scale, _ = k.linear_cross_entropy_grads(*_plain(h, wv), y, -100, red, 4)
             out += [(f"lce_grads-{red}-{tag}", k.linear_cross_entropy_grads.default, (h, wv, y, -100, red, 4),
                      DETERMINISTIC),
                     (f"lce_grads_backward-{red}-{tag}", k.linear_cross_entropy_grads_backward.default,
                      (torch.randn_like(loss), gh, gw, scale, dt), DETERMINISTIC)]
+            bias = _r(30, dtype=dt)                 # a decoder's bias (BERT's MLM head)
+            loss, gh, gw, scale, gb = k.linear_cross_entropy_grads(*_plain(h, wv), y, -100, red, 4, *_plain(bias))
+            out += [(f"lce_grads_bias-{red}-{tag}", k.linear_cross_entropy_grads.default,
+                     (h, wv, y, -100, red, 4, bias), DETERMINISTIC),
+                    (f"lce_grads_bias_backward-{red}-{tag}", k.linear_cross_entropy_grads_backward.default,
+                     (torch.randn_like(loss), gh, gw, scale, dt, gb), DETERMINISTIC)]
         logits, yc = _r(7, 30, dtype=dt), y.reshape(-1)[:7]
         for red in ("mean", "sum", "none"):
             loss, lse = k.softmax_cross_entropy(*_plain(logits), yc, -100, red)

@@ -83,3 +83,27 @@ def check_training(make, *args, loss_fn=None, fallbacks: bool = False, steps: in
         _close(got, want.detach(), f"AdamW step {i}: loss")
     _same_state(mine, ref, f"after {steps} AdamW steps", noise, slack=2 * lr * steps)
     return step
+
+
+def sgd_like_eager(name: str, amp: str | None = None, steps: int = 3, **compile_kw):
+    """The zoo model `name` trained `steps` SGD(lr=0.1) steps by Kiln (`kiln.compile(..., amp=amp,
+    **compile_kw)`) and by eager (under bf16 autocast when `amp`): losses each step and parameters after them
+    agree (fp32 tightly; bf16 within its rounding). Returns Kiln's step, whose graph the caller inspects."""
+    from tests.models import zoo
+    torch.manual_seed(0)
+    model, args, kwargs, _ = zoo.MODELS[name]()
+    ref = copy.deepcopy(model)
+    step = kiln.compile(model, optimizer=kiln.optim.SGD(lr=0.1), amp=amp, **compile_kw)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    tol = dict(rtol=RTOL, atol=ATOL) if amp is None else dict(rtol=2e-2, atol=2e-2)
+    for _ in range(steps):
+        got = step(*args, **kwargs)
+        opt.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp is not None):
+            want = ref(*args, **kwargs).loss
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got, want.detach().float(), **tol)
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, **tol, msg=lambda m: f"{name}: parameter {n}: {m}")
+    return step

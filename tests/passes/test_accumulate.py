@@ -72,3 +72,57 @@ def test_llama_steps_fold_every_residual_sum_and_train_bit_for_bit_as_with_the_a
         assert len(taking) >= len(norms) - 1 >= 1, (len(taking), len(norms))
         casts = lambda g: sum(n.target is aten._to_copy.default and n.phase.name == "BACKWARD" for n in g.nodes)  # noqa
         assert casts(g1) <= casts(g0), amp
+
+
+# ---- bias gradients' sums into the GELU backward (fold_column_sums) ------------------------------------
+def _gelu_graph(dims=(0,), keepdim=False, dtype=None, flatten=True, approximate="none", fp32=False):
+    torch.manual_seed(0)
+    g_out, x = torch.randn(4, 6, 32).bfloat16(), (torch.randn(4, 6, 32) * 2).bfloat16()
+    if fp32:                        # fp32 steps keep ATen's ops (eager's bits)
+        g_out, x = g_out.float(), x.float()
+    g, b, (gv, xv) = graph_with_inputs(g_out, x)
+    d = b(aten.gelu_backward.default, gv, xv, approximate=approximate)
+    src = b(aten.view.default, d, [24, 32]) if flatten else d
+    extra = {"dtype": dtype} if dtype is not None else {}
+    s = b(aten.sum.dim_IntList, src, list(dims), keepdim, **extra)
+    g.outputs = [s, d]
+    return g, (g_out, x)
+
+
+def test_a_bias_sum_of_the_gelu_backward_becomes_its_twins_output():
+    from kiln.passes.accumulate import fold_column_sums
+    for kw in (dict(), dict(keepdim=True), dict(flatten=False, dims=(0, 1)), dict(flatten=False, dims=(-3, -2)),
+               dict(approximate="tanh")):
+        g, (g_out, x) = _gelu_graph(**kw)
+        want_d = aten.gelu_backward(g_out, x, approximate=kw.get("approximate", "none"))
+        want_s = want_d.double().reshape(-1, 32).sum(0)
+        assert fold_column_sums(g, ("kiln", "aten")) == 1, kw
+        assert count(g, aten.sum.dim_IntList) == 0 and count(g, aten.gelu_backward.default) == 0
+        from kiln.passes.dispatch import dispatch
+        from kiln.runtime.codegen import generate
+        dispatch(g, ("kiln", "aten"))
+        s, d = generate(g, return_all=True)[1](g_out, x)
+        torch.testing.assert_close(d, want_d, rtol=2 ** -7, atol=1e-6)     # a bf16 rounding at most
+        assert s.shape == ((1, 32) if kw.get("keepdim") else (32,)) and s.dtype == torch.bfloat16
+        torch.testing.assert_close(s.double().reshape(-1), d.double().reshape(-1, 32).sum(0), rtol=2 ** -8, atol=1e-6)
+        torch.testing.assert_close(s.double().reshape(-1), want_s, rtol=2 ** -6, atol=1e-2)
+
+
+def test_other_sums_and_other_dialects_stay_as_they_are():
+    from kiln.passes.accumulate import fold_column_sums
+    for kw in (dict(flatten=False, dims=(0,)), dict(dims=(1,)), dict(dtype=torch.float64), dict(fp32=True)):
+        g, _ = _gelu_graph(**kw)
+        assert fold_column_sums(g, ("kiln", "aten")) == 0, kw
+    g, _ = _gelu_graph()
+    assert fold_column_sums(g, ("aten",)) == 0          # no dialect runs the twin
+
+
+def test_gpt2_and_bert_steps_fold_their_mlp_bias_sums_and_train_like_eager():
+    """The MLPs' bias gradients come from the GELU backward's twin in bf16 steps (fp32 ones keep ATen's ops), and
+    both track eager (autocast in bf16) as the unfolded program does."""
+    from tests.models.reference import sgd_like_eager
+    for name in ("gpt2", "bert"):
+        for amp in (None, "bf16"):
+            step = sgd_like_eager(name, amp)
+            twins = [n for n in step.graph.nodes if n.op.name == "kiln.gelu_backward_sums"]
+            assert (bool(twins) == (amp is not None)) and all(len(n.outputs) == 2 for n in twins), (name, amp)
