@@ -127,6 +127,14 @@ def _kv_heads(q: Tensor, k: Tensor, v: Tensor) -> int:
 
 def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
                        attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    out, lse, _ = _forward_math(q, k, v, dropout_p, is_causal, attn_mask, scale, keep=False)
+    return out, lse
+
+
+def _forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, is_causal: bool, attn_mask: Tensor | None,
+                  scale: float | None, keep: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(output, log-sum-exp, the probabilities where `keep` asks for them and the one-pass kernels that read
+    them again run: bf16, at least as many (batch, head) slices as threads; else None)."""
     rep = _kv_heads(q, k, v)
     if rep > 1:                     # the kernels below take one key/value head per query head
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -134,7 +142,11 @@ def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, 
     b, h, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     fused = _bf16_products() if lib is not None and s > 0 else None
     if fused is not None and q.dtype == k.dtype == v.dtype == torch.bfloat16:
-        return _forward_bf16(fused, q, k, v, None if is_causal else mask, _causal(fused, mask, is_causal), scale)
+        probs = (torch.empty(probs_shape(q.shape, k.shape), dtype=torch.bfloat16)
+                 if keep and b * h >= native.threads() else None)
+        out, lse = _forward_bf16(fused, q, k, v, None if is_causal else mask, _causal(fused, mask, is_causal), scale,
+                                 probs)
+        return out, lse, probs
     out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype)
     lse = torch.empty(b, h, t, dtype=torch.float32)
     # unnormalized probabilities exp(z - max) (the largest exactly 1), in bf16 where the products take bf16,
@@ -161,7 +173,7 @@ def flash_forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, 
             rowscale = torch.where(masked, 0.0, 1.0 / total).squeeze(-1)
         o = _products(p, vg, kn=True, causal=is_causal) if low else torch.bmm(p, vg.to(p.dtype))
         out[sl].copy_(o.mul_(rowscale.unsqueeze(-1)))
-    return out, lse
+    return out, lse, None
 
 
 def _causal(lib, mask: Tensor | None, is_causal: bool) -> bool:
@@ -196,11 +208,14 @@ def _forward_bf16(lib, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_
 
 def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
                         dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Tensor | None = None,
-                        scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                        scale: float | None = None, probs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """`probs`: what `forward_keeping_probs` kept, read by the one-pass bf16 backward where it has the layout
+    `probs_shape` gives (else, an empty tensor among them, not read: the probabilities are computed again)."""
     rep = _kv_heads(q, k, v)
     if rep > 1:                     # per query head, then each key/value head's gradients summed over its queries'
         dq, dk, dv = flash_backward_math(grad_out, q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), out,
-                                         logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+                                         logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale,
+                                         probs=probs)
         return dq, dk.unflatten(1, (k.shape[1], rep)).sum(2), dv.unflatten(1, (v.shape[1], rep)).sum(2)
     scale, mask, lib = _setup("flash_backward_math", q, k, dropout_p, is_causal, attn_mask, scale, v, grad_out,
                               out)
@@ -208,8 +223,10 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     fused = _bf16_products() if lib is not None and s > 0 else None
     if fused is not None and q.dtype == k.dtype == v.dtype == grad_out.dtype == out.dtype == torch.bfloat16 and \
             q.shape[0] * q.shape[1] >= native.threads():
+        kept = probs is not None and probs.dtype == torch.bfloat16 and probs.is_contiguous() and \
+            tuple(probs.shape) == probs_shape(q.shape, k.shape)
         return _backward_bf16(fused, grad_out, q, k, v, out, logsumexp, None if is_causal else mask,
-                              _causal(fused, mask, is_causal), scale)
+                              _causal(fused, mask, is_causal), scale, probs if kept else None)
     dq = torch.empty(q.shape, dtype=q.dtype)            # dense: each head group's slice is written in place
     dk, dv = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
     lse = logsumexp.float()
@@ -287,11 +304,6 @@ def keeps_probs_here() -> bool:
     return _bf16_products() is not None and not native.cpu_flag("amx_bf16")
 
 
-def _one_pass(lib, q: Tensor, k: Tensor, v: Tensor, *others: Tensor) -> bool:
-    return lib is not None and k.shape[2] > 0 and q.shape[0] * q.shape[1] >= native.threads() and \
-        all(x.dtype == torch.bfloat16 for x in (q, k, v, *others))
-
-
 def forward_keeping_probs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
                           attn_mask: Tensor | None = None,
                           scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -299,17 +311,8 @@ def forward_keeping_probs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.
     once to bf16 (`probs_shape`) for `backward_from_probs`, which then reads them instead of computing the
     scores and their exps again. Where the one-pass bf16 kernels do not run (another dtype, fewer heads than
     threads, KILN_NATIVE=0) the probabilities are an empty tensor and the backward computes them itself."""
-    rep = _kv_heads(q, k, v)
-    kr, vr = (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)) if rep > 1 else (k, v)
-    sc, mask, lib = _setup("forward_keeping_probs", q, kr, dropout_p, is_causal, attn_mask, scale, vr)
-    fused = _bf16_products() if lib is not None else None
-    if not _one_pass(fused, q, kr, vr):
-        out, lse = flash_forward_math(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-        return out, lse, q.new_empty(0, dtype=torch.bfloat16)
-    probs = torch.empty(probs_shape(q.shape, k.shape), dtype=torch.bfloat16)
-    out, lse = _forward_bf16(fused, q, kr, vr, None if is_causal else mask, _causal(fused, mask, is_causal), sc,
-                             probs)
-    return out, lse, probs
+    out, lse, probs = _forward_math(q, k, v, dropout_p, is_causal, attn_mask, scale, keep=True)
+    return out, lse, q.new_empty(0, dtype=torch.bfloat16) if probs is None else probs
 
 
 def backward_from_probs(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
@@ -319,20 +322,8 @@ def backward_from_probs(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     values the backward would compute, up to the last bit of the rounding: P = exp(z - max) / sum instead of
     exp(z - lse)). Probabilities of any other shape, dtype or layout (an empty tensor: none were kept) are not
     read: the backward computes them, as `flash_backward_math`."""
-    rep = _kv_heads(q, k, v)
-    if rep > 1:                     # per query head, then each key/value head's gradients summed over its queries'
-        dq, dk, dv = backward_from_probs(grad_out, q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), out,
-                                         logsumexp, probs, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-        return dq, dk.unflatten(1, (k.shape[1], rep)).sum(2), dv.unflatten(1, (v.shape[1], rep)).sum(2)
-    kept = probs.dtype == torch.bfloat16 and probs.is_contiguous() and \
-        tuple(probs.shape) == probs_shape(q.shape, k.shape)
-    sc, mask, lib = _setup("backward_from_probs", q, k, dropout_p, is_causal, attn_mask, scale, v, grad_out, out)
-    fused = _bf16_products() if lib is not None else None
-    if not (kept and _one_pass(fused, q, k, v, grad_out, out)):
-        return flash_backward_math(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask,
-                                   scale=scale)
-    return _backward_bf16(fused, grad_out, q, k, v, out, logsumexp, None if is_causal else mask,
-                          _causal(fused, mask, is_causal), sc, probs)
+    return flash_backward_math(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask,
+                               scale=scale, probs=probs)
 
 
 def _transposed_products(a: Tensor, b: Tensor, out: Tensor, is_causal: bool) -> None:

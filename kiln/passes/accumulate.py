@@ -91,9 +91,9 @@ def fold_column_sums(graph: Graph, dialects: tuple[str, ...]) -> int:
             sums.producer = n
             n.op, n.target, n.outputs = twin, twin.targets[0], [*n.outputs, sums]
             twins[n.uid] = sums
-        out = s.outputs[0]
+        keep = len(s.outputs[0].meta.shape) - 1          # keepdim: the summed dims stay as 1s
         s.op, s.target = registry.lookup(aten.view.default), aten.view.default
-        s.args, s.kwargs = (twins[n.uid], list(out.meta.shape)), {}
+        s.args, s.kwargs = (twins[n.uid], [1] * keep + [-1]), {}
         folded += 1
     return folded
 
