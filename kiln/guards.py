@@ -3,7 +3,8 @@
 A step whose loss or gradients are not finite writes nothing.
 
 `kiln.compile(..., nonfinite="raise")` (the default) adds one node before the optimizer update: it reads
-every gradient once (their 2-norms, one multi-tensor pass; NaN and inf propagate) and the loss,
+every gradient once and the loss (on CPU, the kiln dialect's scan of exponent bits in native.c; else the
+gradients' 2-norms, one multi-tensor pass, where NaN and inf propagate),
 and on a non-finite value raises `NonFiniteError` naming the loss or the first parameter whose gradient is
 not finite. Since updates are only staged until the step commits (kiln/transaction.py), parameters and
 optimizer state are left exactly as they were. "skip" counts and warns instead (the step returns the
@@ -51,13 +52,28 @@ def check_finite(loss: torch.Tensor, grads: list, names: tuple, mode: str) -> No
     if bool(torch.isfinite(total)):
         return
     if not bool(torch.isfinite(loss)):
+        _refuse(loss, None, mode)
+    first = next((n for n, g in zip(names, grads) if not bool(torch.isfinite(g).all())), None)
+    if first is not None:                 # else finite after all: only the sum of squares overflowed
+        _refuse(loss, first, mode)
+
+
+def check_finite_scan(loss: torch.Tensor, grads: list, names: tuple, mode: str) -> None:
+    """check_finite by one read of the loss and every gradient, testing exponent bits (native.c on CPU;
+    the kiln dialect's kernel for the guard): exact for huge finite values, no second pass."""
+    from kiln.kernels import native
+    first = native.first_nonfinite([loss.detach(), *grads])
+    if first is not None:
+        _refuse(loss, None if first == 0 else names[first - 1], mode)
+
+
+def _refuse(loss: torch.Tensor, param, mode: str) -> None:
+    """Skip or raise for a non-finite loss (param None) or the gradient of `param`."""
+    if param is None:
         what = (f"the loss is {loss.item()}" + (" (a mean over no elements? e.g. every label is the ignore index)"
                                                  if torch.isnan(loss) else ""))
     else:
-        first = next((n for n, g in zip(names, grads) if not bool(torch.isfinite(g).all())), None)
-        if first is None:                 # finite after all: only the sum of squares overflowed
-            return
-        what = f"the gradient of parameter {first!r} is not finite"
+        what = f"the gradient of parameter {param!r} is not finite"
     not_finite(what, loss, mode)
 
 

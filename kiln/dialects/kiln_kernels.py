@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from kiln import guards
 from kiln.dialects.registry import dialect, fusion, kernel
 from kiln.ir.graph import Value
 from kiln.ir.pattern import Lit, Op, Opt, Seq, V
 from kiln.kernels import OPS, activations
+from kiln.kernels.embedding import embedding_backward_acc
 from kiln.ops.common import reshape, shape
 from kiln.ir.symbolic import hint, same
 
@@ -26,19 +28,34 @@ for _name, _op in OPS.items():
     kernel(KILN, _op, _op, name=_name)
 
 
-def _gelu_tanh_ok(n) -> bool:
-    """A CPU float32/bfloat16 GELU (or its backward) in the tanh approximation: native.c's single pass."""
+def _gelu_ok(n) -> bool:
+    """A CPU GELU (or its backward) Kiln's kernels run: bfloat16 in either form (by table: the forward ATen's own
+    bits), or float32 in the tanh approximation (native.c's single pass)."""
     approximate = n.kwargs.get("approximate", n.args[-1] if isinstance(n.args[-1], str) else "none")
     metas = [v.meta for v in n.inputs] + [v.meta for v in n.outputs]
-    return approximate == "tanh" and all(
-        m is not None and m.device.type == "cpu" and m.dtype in (torch.float32, torch.bfloat16) for m in metas)
+    if any(m is None or m.device.type != "cpu" for m in metas):
+        return False
+    dtypes = {m.dtype for m in metas}
+    return (approximate in ("none", "tanh") and dtypes == {torch.bfloat16}) or (
+        approximate == "tanh" and dtypes <= {torch.float32, torch.bfloat16})
 
 
-kernel(KILN, torch.ops.aten.gelu.default, activations.gelu, checker=_gelu_tanh_ok, name="gelu_tanh")
-kernel(KILN, torch.ops.aten.gelu_backward.default, activations.gelu_backward, checker=_gelu_tanh_ok,
-       name="gelu_tanh_backward")
+kernel(KILN, torch.ops.aten.gelu.default, activations.gelu, checker=_gelu_ok, name="gelu")
+kernel(KILN, torch.ops.aten.gelu_backward.default, activations.gelu_backward, checker=_gelu_ok,
+       name="gelu_backward")
 # gelu_backward with its bias's gradient (kiln/passes/accumulate.py `fold_column_sums` places it)
 kernel(KILN, activations.gelu_backward_sums, activations.gelu_backward_sums, name="gelu_backward_sums")
+
+
+def _on_cpu(n) -> bool:
+    return all(v.meta is not None and v.meta.device.type == "cpu" for v in n.inputs)
+
+
+# a tied embedding's two gradients summed in one pass (kiln/passes/accumulate.py places it; exact everywhere)
+kernel(KILN, embedding_backward_acc, embedding_backward_acc, name="embedding_backward_acc")
+
+# the non-finite guard as one scan of exponent bits (native.c) instead of the gradients' norms
+kernel(KILN, guards.check_finite, guards.check_finite_scan, checker=_on_cpu, name="finite_scan")
 
 
 # ---- fusions: unfused subgraphs -> kiln kernels (the `fuse` pass) ------------------------------

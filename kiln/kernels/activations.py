@@ -9,6 +9,7 @@ buffer is the kernel's own, because on a CPU a fresh buffer costs page faults, n
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -192,6 +193,34 @@ swiglu_linear_op.register_autograd(_swiglu_linear_backward, setup_context=_swigl
 
 
 # ---- GELU ----------------------------------------------------------------------------------------------
+# bf16 GELU by table (native_lut.c): every bf16 value's GELU as ATen computes it (the lookup gives ATen's bits),
+# and its derivative in float64 rounded to fp32 once. Built on first use, per approximation, in this process
+# (ATen's results depend on the ISA it runs with, which a process does not change).
+_LUT_LOCK = threading.Lock()
+_LUTS: dict[str, tuple[Tensor, Tensor]] = {}
+
+
+def _gelu_tables(approximate: str) -> tuple[Tensor, Tensor]:
+    """(forward: int32 entries holding ATen's bf16 GELU of each bf16 bit pattern; derivative: fp32 entries)."""
+    tables = _LUTS.get(approximate)
+    if tables is None:
+        with _LUT_LOCK:
+            every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+            forward = aten.gelu(every, approximate=approximate).view(torch.int16).to(torch.int32) & 0xFFFF
+            slope = aten.gelu_backward(torch.ones(1 << 16, dtype=torch.float64), every.double(),
+                                       approximate=approximate).float()
+            tables = _LUTS.setdefault(approximate, (forward.contiguous(), slope.contiguous()))
+    return tables
+
+
+def _lut(*tensors: Tensor, approximate: str):
+    """The native library where GELU by table takes these tensors (dense CPU bfloat16), else None."""
+    if approximate not in ("none", "tanh") or any(t.dtype != torch.bfloat16 or not t.is_contiguous()
+                                                  for t in tensors):
+        return None
+    return native.usable(*tensors)
+
+
 def _gelu_native(*tensors: Tensor, approximate: str):
     """The native library where its GELU loops take these tensors (the tanh approximation; CPU float32 or
     bfloat16, dense), else None."""
@@ -201,11 +230,16 @@ def _gelu_native(*tensors: Tensor, approximate: str):
 
 
 def gelu(x: Tensor, approximate: str = "none", out: Optional[Tensor] = None) -> Tensor:
-    """`aten.gelu(x, approximate=)`, into `out` (x itself for in place) if given. The tanh approximation runs
-    as one native pass (native.c `kiln_gelu_tanh`: x * sigmoid(2u), the same function as 0.5 x (1 + tanh(u)),
-    with one exp and no tanh; 4M bf16 values on the EPYC: 1.6 against ATen's 4.4 ms, whose vectorized tanh is
-    the cost); the exact form is ATen's own (fast there already)."""
+    """`aten.gelu(x, approximate=)`, into `out` (x itself for in place) if given. bf16 (either form) by table:
+    ATen's own result for each value, looked up (native.c `kiln_lut_bf16`; 4M values on the EPYC: 0.6 against
+    ATen's 1.1 ms exact, 4.4 tanh). fp32 tanh as one native pass (`kiln_gelu_tanh`: x * sigmoid(2u), the same
+    function as 0.5 x (1 + tanh(u)), with one exp and no tanh); fp32 exact: ATen's own."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    lib = _lut(x, out, approximate=approximate)
+    if lib is not None:
+        native.check(lib.kiln_lut_bf16(x.data_ptr(), out.data_ptr(), _gelu_tables(approximate)[0].data_ptr(),
+                                       x.numel(), native.threads()), "GELU")
+        return out
     lib = _gelu_native(x, out, approximate=approximate)
     if lib is None:
         return aten.gelu.out(x, approximate=approximate, out=out)
@@ -215,9 +249,16 @@ def gelu(x: Tensor, approximate: str = "none", out: Optional[Tensor] = None) -> 
 
 
 def gelu_backward(grad: Tensor, x: Tensor, approximate: str = "none", out: Optional[Tensor] = None) -> Tensor:
-    """`aten.gelu_backward(grad, x, approximate=)` into `out` (grad or x itself for in place) if given; the tanh
-    approximation as one native pass (`kiln_gelu_tanh_backward`)."""
+    """`aten.gelu_backward(grad, x, approximate=)` into `out` (grad or x itself for in place) if given. bf16:
+    grad times the derivative by table (`kiln_lut_scale_bf16`, the derivative exact to fp32, the product
+    rounded once); fp32 tanh as one native pass (`kiln_gelu_tanh_backward`); else ATen's."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    lib = _lut(grad, x, out, approximate=approximate) if grad.shape == x.shape else None
+    if lib is not None:
+        native.check(lib.kiln_lut_scale_bf16(grad.data_ptr(), x.data_ptr(), out.data_ptr(),
+                                             _gelu_tables(approximate)[1].data_ptr(), x.numel(), native.threads()),
+                     "GELU backward")
+        return out
     lib = _gelu_native(grad, x, out, approximate=approximate) if grad.shape == x.shape else None
     if lib is None:
         return aten.gelu_backward.grad_input(grad, x, approximate=approximate, grad_input=out)
@@ -232,9 +273,9 @@ def gelu_backward_sums(grad: Tensor, x: Tensor, approximate: str = "none") -> tu
     gradient reaching a GELU's input and that of the bias added before it, which Hugging Face's MLPs (BERT's exact
     GELU, GPT-2's tanh) compute as a second pass reading the first's result. One native pass
     (`kiln_gelu_backward_sums`) for dense bfloat16 or float32 tensors of one shape on the CPU: each value rounded
-    once, the column sums of the rounded values in fp32; the exact form from one exp per value (ATen's takes two);
-    2048 x 2048 bf16 on the EPYC: 1.9 against 2.6 ms for ATen's backward and sum (exact; tanh 1.9 against 4.8).
-    Elsewhere ATen's two ops."""
+    once, the column sums of the rounded values in fp32; bf16 reads the derivative by table (exact to fp32),
+    fp32 computes it (the exact form from one exp per value; ATen's takes two). 2048 x 2048 bf16 on the EPYC:
+    see docs/kernels.md. Elsewhere ATen's two ops."""
     lib = native.usable(grad, x)
     if lib is None or approximate not in ("none", "tanh") or grad.shape != x.shape or grad.dtype != x.dtype \
             or x.dim() < 1 or not (grad.is_contiguous() and x.is_contiguous()) or x.shape[-1] > 1 << 20:
@@ -243,9 +284,10 @@ def gelu_backward_sums(grad: Tensor, x: Tensor, approximate: str = "none") -> tu
     cols = x.shape[-1]
     out = torch.empty_like(x)
     sums = torch.empty(cols, dtype=torch.float32)
+    table = _gelu_tables(approximate)[1].data_ptr() if x.dtype == torch.bfloat16 else None
     native.check(lib.kiln_gelu_backward_sums(grad.data_ptr(), native.code(grad), x.data_ptr(), native.code(x),
                                              out.data_ptr(), native.code(out), x.numel() // max(cols, 1), cols,
-                                             int(approximate == "tanh"), sums.data_ptr(), native.threads()),
+                                             int(approximate == "tanh"), sums.data_ptr(), table, native.threads()),
                  "GELU backward with sums")
     return out, sums.to(x.dtype)
 

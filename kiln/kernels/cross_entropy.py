@@ -353,7 +353,22 @@ def linear_cross_entropy_grads_backward_op(grad: Tensor, grad_hidden: Tensor, gr
         return impl(grad, grad_hidden, grad_weight, scale, weight_dtype, grad_bias)
     g = grad * scale
     gb = grad_weight.new_empty(0, dtype=weight_dtype) if grad_bias is None else (grad_bias * g).to(weight_dtype)
-    return grad_hidden * g.to(grad_hidden.dtype), (grad_weight * g).to(weight_dtype), gb
+    return _scaled(grad_hidden, g.to(grad_hidden.dtype)), _scaled(grad_weight, g, weight_dtype), gb
+
+
+def _scaled(x: Tensor, factor: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """`(x * factor).to(dtype)` (factor a 0-dim tensor): native.c's one pass (`kiln_scale`: the product in fp32,
+    rounded once, the same bits as ATen's two ops) for a dense CPU float32 x, or bfloat16 x, factor and dtype;
+    elsewhere ATen's ops (a bf16 product widened after it is rounded, or a promoting factor)."""
+    dtype = x.dtype if dtype is None else dtype
+    lib = native.usable(x)
+    if (lib is None or not native.supports(dtype) or factor.dtype != x.dtype or factor.device.type != "cpu"
+            or (x.dtype != torch.float32 and dtype != x.dtype) or not x.is_contiguous()):
+        return (x * factor).to(dtype)
+    out = torch.empty(x.shape, dtype=dtype)
+    native.check(lib.kiln_scale(x.data_ptr(), native.code(x), out.data_ptr(), native.code(out), x.numel(),
+                                factor.item(), native.threads()), "scale")
+    return out
 
 
 @linear_cross_entropy_grads_backward_op.register_fake

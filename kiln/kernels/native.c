@@ -449,7 +449,8 @@ int kiln_gelu_tanh_backward(const void *grad, int g_dt, const void *x, int x_dt,
  * tanh form (gelu_backward_f); 0: the exact one, gelu'(x) = Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi),
  * with Phi from the same exp: erfc(z) = t (a1 + t (a2 + .. + t a5)) exp(-z^2), t = 1 / (1 + p z), z = |x| / sqrt 2
  * (Abramowitz and Stegun 7.1.26, error below 1.5e-7), Phi = erfc(z) / 2 for x < 0 (no cancellation in the tail)
- * and 1 - erfc(z) / 2 otherwise: one exp where gelu'(x) written with erf takes two. */
+ * and 1 - erfc(z) / 2 otherwise: one exp where gelu'(x) written with erf takes two. `table` (bf16 only, else
+ * NULL): gelu'(x) for every bf16 x (native_lut.c), read instead of computed. */
 static inline float gelu_erf_backward_f(float g, float v) {
     float e = exp_approx(-0.5f * v * v), t = 1.0f / (1.0f + 0.3275911f * 0.70710678118654752f * fabsf(v));
     float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
@@ -461,7 +462,7 @@ static inline float gelu_erf_backward_f(float g, float v) {
 #define SUM_ROWS 64
 
 int kiln_gelu_backward_sums(const void *grad, int g_dt, const void *x, int x_dt, void *out, int o_dt, int64_t rows,
-                            int64_t cols, int approximate, float *sums, int threads) {
+                            int64_t cols, int approximate, float *sums, const float *table, int threads) {
     if (cols <= 0 || cols > (1 << 20)) return 2;
     int bf = ALL_BF16(g_dt, x_dt, o_dt);
     if (!bf && (g_dt != F32 || x_dt != F32 || o_dt != F32)) return 2;
@@ -487,7 +488,13 @@ int kiln_gelu_backward_sums(const void *grad, int g_dt, const void *x, int x_dt,
                 if (bf) {
                     const uint16_t *gr = (const uint16_t *)grad + r * cols, *xr = (const uint16_t *)x + r * cols;
                     uint16_t *o = (uint16_t *)out + r * cols;
-                    if (approximate) {
+                    if (table) {            /* the derivative by table (native_lut.c) */
+#pragma omp simd
+                        for (int64_t c = 0; c < cols; c++) {
+                            o[c] = f_bf16(bf16_f(gr[c]) * table[xr[c]]);
+                            blk[c] += bf16_f(o[c]);
+                        }
+                    } else if (approximate) {
 #pragma omp simd
                         for (int64_t c = 0; c < cols; c++) {
                             o[c] = f_bf16(gelu_backward_f(bf16_f(gr[c]), bf16_f(xr[c])));
@@ -593,6 +600,11 @@ int kiln_adamw_step(float *p, const void *g, int g_dt, float *m, float *v, int64
 }
 
 /* the row reductions (exp_or_zero, block_max, ...) and the cross-entropy loops: native_loss.c; attention's row
- * passes and its bf16 products: native_attention.c; both compiled as part of this file */
+ * passes and its bf16 products: native_attention.c; whole-tensor sweeps (the non-finite guard's scan, a scaled
+ * copy): native_sweeps.c; a tied embedding's gradient: native_embedding.c; functions of one bf16 value by table:
+ * native_lut.c; all compiled as part of this file */
 #include "native_loss.c"
 #include "native_attention.c"
+#include "native_sweeps.c"
+#include "native_embedding.c"
+#include "native_lut.c"

@@ -36,7 +36,9 @@ from kiln import cachedir
 log = logging.getLogger("kiln")
 
 _SOURCE = Path(__file__).with_name("native.c")
-_SOURCES = (_SOURCE, *(Path(__file__).with_name(f) for f in ("native_loss.c", "native_attention.c")))  # #included
+_SOURCES = (_SOURCE, *(Path(__file__).with_name(f)        # #included
+                       for f in ("native_loss.c", "native_attention.c", "native_sweeps.c", "native_embedding.c",
+                                 "native_lut.c")))
 ROW_MAX = 8192                     # native.c's row buffers; longer rows run the ATen composition
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 _ISA_FLAGS = {
@@ -50,6 +52,7 @@ OPS = ("rms_norm", "add_rms_norm", "rms_norm_backward", "rope", "rope_backward",
 
 _i64, _int, _dbl, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
 _i64s = ctypes.POINTER(ctypes.c_int64)      # an array of strides
+_ints = ctypes.POINTER(ctypes.c_int)
 _SIGNATURES = {
     "kiln_rms_forward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _i64, _i64, _dbl,
                          _int],
@@ -64,7 +67,9 @@ _SIGNATURES = {
                              _i64, _i64, _int],
     "kiln_gelu_tanh": [_ptr, _int, _ptr, _int, _i64, _int],
     "kiln_gelu_tanh_backward": [_ptr, _int, _ptr, _int, _ptr, _int, _i64, _int],
-    "kiln_gelu_backward_sums": [_ptr, _int, _ptr, _int, _ptr, _int, _i64, _i64, _int, _ptr, _int],
+    "kiln_gelu_backward_sums": [_ptr, _int, _ptr, _int, _ptr, _int, _i64, _i64, _int, _ptr, _ptr, _int],
+    "kiln_lut_bf16": [_ptr, _ptr, _ptr, _i64, _int],
+    "kiln_lut_scale_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _int],
     "kiln_ce_forward": [_ptr, _int, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _int],
     "kiln_ce_grads": [_ptr, _int, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _int],
     "kiln_ce_backward": [_ptr, _int, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _int, _i64, _i64, _i64, _int],
@@ -77,6 +82,9 @@ _SIGNATURES = {
     "kiln_attn_mask_is_causal": [_ptr, _i64s, _i64, _i64, _i64, _i64],
     "kiln_attn_forward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _int, _ptr, _i64s, _ptr, _ptr, _i64,
                                _i64, _i64, _i64, _i64, _i64, _dbl, _int],
+    "kiln_first_nonfinite": [_i64s, _ints, _i64s, _int, _int],
+    "kiln_scale": [_ptr, _int, _ptr, _int, _i64, _dbl, _int],
+    "kiln_embedding_backward_acc": [_ptr, _int, _ptr, _i64, _i64, _i64, _i64, _ptr, _int, _ptr, _int],
     "kiln_attn_backward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _ptr, _ptr, _i64s,
                                 _int, _ptr, _ptr, _ptr, _i64s, _i64, _i64, _i64, _i64, _i64, _i64, _dbl, _int],
 }
@@ -225,3 +233,41 @@ def threads() -> int:
 def check(status: int, what: str) -> None:
     if status != 0:
         raise RuntimeError(f"kiln: the native {what} kernel refused its arguments (status {status})")
+
+
+def dense(t: Tensor) -> bool:
+    """Whether t covers a block of its storage exactly once (a permutation of a contiguous layout)."""
+    expected = 1
+    for size, st in sorted((d for d in zip(t.shape, t.stride()) if d[0] != 1), key=lambda d: d[1]):
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def first_nonfinite(tensors: list[Tensor]) -> Optional[int]:
+    """The index of the first tensor holding a NaN or an infinity, or None when all are finite: one read of
+    each (native.c's exponent scan for dense CPU float32/bfloat16 tensors, `torch.isfinite` for the rest)."""
+    lib = library()
+    fast, ptrs, codes, sizes = [], [], [], []
+    if lib is not None:
+        for i, t in enumerate(tensors):
+            c = _CODES.get(t.dtype)
+            if c is not None and t.is_cpu and (t.is_contiguous() or dense(t)):
+                fast.append(i)                 # a dense block starts at its data pointer (strides are positive)
+                ptrs.append(t.data_ptr())
+                codes.append(c)
+                sizes.append(t.numel())
+    bad = None
+    if fast:
+        n = len(fast)
+        status = lib.kiln_first_nonfinite((ctypes.c_int64 * n)(*ptrs), (ctypes.c_int * n)(*codes),
+                                          (ctypes.c_int64 * n)(*sizes), n, threads())
+        if status < 0:
+            raise MemoryError("kiln: the native non-finite scan could not allocate its chunk table")
+        bad = fast[status - 1] if status else None
+    if len(fast) == len(tensors):
+        return bad
+    done = set(fast)
+    slow = (i for i, t in enumerate(tensors) if i not in done and (bad is None or i < bad))
+    return next((i for i in slow if not bool(torch.isfinite(tensors[i]).all())), bad)

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ir.graph import TensorMeta
+from kiln.kernels.embedding import embedding_backward_acc
 from kiln.ops.common import arg, shape
-from kiln.ops.registry import Kind, defop, nondiff
+from kiln.ops.registry import Cast, Kind, OpDef, defop, nondiff, register
 from kiln.ir.symbolic import same
 
 aten = torch.ops.aten
@@ -18,6 +20,15 @@ def _zeros_like(b, v):
 defop(aten.embedding.default, lambda b, n, g: (
     b(aten.embedding_dense_backward.default, g, n.args[1], shape(n.args[0])[0],
       arg(n, 2, "padding_idx", -1), arg(n, 3, "scale_grad_by_freq", False)), None), I)
+# a tied embedding's gradient plus the output projection's, one pass (kiln/passes/accumulate.py folds the add)
+EMBEDDING_BACKWARD_ACC = register(OpDef(
+    "kiln.embedding_backward_acc", (embedding_backward_acc,), None, Kind.OPAQUE, Cast.FOLLOW, differentiable=False,
+    promotes=True,           # a widening cast of either addend folds into it (kiln/passes/casts.py)
+    infer=lambda args, kwargs: [TensorMeta(tuple(args[-1].meta.shape),
+                                           torch.promote_types(args[0].meta.dtype, args[-1].meta.dtype), (),
+                                           args[-1].meta.device).contiguous()],
+    doc="embedding_dense_backward plus another gradient of the same weight (a tied embedding), the same bits"))
+nondiff(aten.embedding_dense_backward.default, Kind.OPAQUE, accumulating=EMBEDDING_BACKWARD_ACC)
 defop(aten.index.Tensor, lambda b, n, g: (
     b(aten.index_put.default, _zeros_like(b, n.args[0]), n.args[1], g, True), None), I)
 defop(aten.index_select.default, lambda b, n, g: (

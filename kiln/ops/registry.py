@@ -84,6 +84,10 @@ class OpDef:
     # (i, j): output i plus a tensor t of its shape equals the op with t as its argument j (given as None):
     # an add of output i folds into the kernel (kiln/passes/accumulate.py)
     accumulates: tuple[int, int] | None = None
+    # an op taking this op's arguments and then a tensor t of output 0's shape, whose output 0 is this op's output 0
+    # plus t, the same bits in float32 (where the op has no argument to take t: embedding_dense_backward's twin
+    # for a tied embedding); folded like `accumulates` where an enabled dialect runs it (kiln/passes/accumulate.py)
+    accumulating: "OpDef | None" = None
     # an op computing this op's outputs and, after them, output 0's sum over every dimension but the last (a
     # bias's gradient, which the graph sums in a second pass): the sum folds into it (kiln/passes/accumulate.py)
     column_sums: "OpDef | None" = None

@@ -11,6 +11,11 @@ Only where the result is the same bits: both addends and the sum in float32 (the
 before it rounds, so a narrower output would be rounded once where the graph rounded twice), the same
 shape (no broadcast), alpha 1, and the other addend computed before the kernel (nothing is moved).
 
+An op with no argument to take the addend declares a twin instead (`OpDef.accumulating`: its arguments, then
+t): a tied embedding's two gradients, `add(embedding_dense_backward(...), the output projection's gradient)`,
+become `kiln.embedding_backward_acc` (kiln/kernels/embedding.py), which writes the sum in one pass where ATen
+zeroes a vocabulary-sized matrix, adds the tokens' rows into it and the add reads both again.
+
 A bias's gradient is the sum of the gradient reaching its output over every dimension but the last; where
 that gradient is an op's result (BERT's and GPT-2's GELU backward), a second pass reads it all again. An op
 declaring `OpDef.column_sums` (a twin computing its outputs from the same arguments and, after them, that
@@ -31,8 +36,10 @@ from kiln.ir.symbolic import same
 aten = torch.ops.aten
 
 
-def fold_accumulation(graph: Graph) -> int:
-    """Fold `add(op(...)[i], t)` into `op(..., t at argument j, ...)` where the op declares it. Returns how many."""
+def fold_accumulation(graph: Graph, dialects: tuple[str, ...] | None = None) -> int:
+    """Fold `add(op(...)[i], t)` into `op(..., t at argument j, ...)` where the op declares it (`accumulates`),
+    or into the op's `accumulating` twin, given t after its arguments, where an enabled dialect runs the twin
+    (every dialect when `dialects` is None). Returns how many."""
     users, live = graph.users(), graph.live_outputs()
     pos = {n.uid: k for k, n in enumerate(graph.nodes)}
     folded: dict[int, Node] = {}                    # add's uid -> the kernel that took it
@@ -40,25 +47,34 @@ def fold_accumulation(graph: Graph) -> int:
         if add.target is not aten.add.Tensor or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
             continue
         for mine, other in (add.args, add.args[::-1]):
-            n = _kernel_taking(mine, other, add, users, live, pos)
-            if n is not None:
+            n = _kernel_taking(mine, other, add, users, live, pos, dialects)
+            if n is None:
+                continue
+            if n.op.accumulates is not None:
                 i, j = n.op.accumulates
                 n.args = tuple(other if k == j else a for k, a in enumerate(n.args))
-                folded[add.uid] = n
-                graph.replace_uses(add.outputs[0], n.outputs[i], start=pos[add.uid])
-                break
+            else:                                   # the twin: output 0 plus its last argument
+                i, twin = 0, n.op.accumulating
+                n.op, n.target, n.args = twin, twin.targets[0], (*n.args, other)
+            folded[add.uid] = n
+            graph.replace_uses(add.outputs[0], n.outputs[i], start=pos[add.uid])
+            break
     if folded:
         graph.nodes = [n for n in graph.nodes if n.uid not in folded]
     return len(folded)
 
 
-def _kernel_taking(mine, other, add: Node, users: dict, live: set, pos: dict) -> Node | None:
-    """The node whose output `mine` is, when it can take `other` into that output in place of `add`."""
+def _kernel_taking(mine, other, add: Node, users: dict, live: set, pos: dict, dialects) -> Node | None:
+    """The node whose output `mine` is, when it (or its `accumulating` twin) can take `other` into that output
+    in place of `add`."""
     if not (isinstance(mine, Value) and isinstance(other, Value)) or mine.producer is None:
         return None
     n = mine.producer
-    acc = n.op.accumulates
-    if acc is None or n.outputs.index(mine) != acc[0] or len(n.args) <= acc[1] or n.args[acc[1]] is not None:
+    acc, twin = n.op.accumulates, n.op.accumulating
+    if acc is not None:
+        if n.outputs.index(mine) != acc[0] or len(n.args) <= acc[1] or n.args[acc[1]] is not None:
+            return None
+    elif twin is None or n.outputs.index(mine) != 0 or n.kwargs or not _runs(twin, dialects):
         return None
     if users.get(mine) != [add] or mine in live:
         return None                                 # the output alone is read elsewhere too
@@ -71,10 +87,15 @@ def _kernel_taking(mine, other, add: Node, users: dict, live: set, pos: dict) ->
     return n
 
 
+def _runs(op, dialects) -> bool:
+    """Whether an enabled dialect (any, for None) has a kernel for `op`."""
+    from kiln.dialects import registry as kernels
+    return any(dialects is None or i.dialect.name in dialects for i in kernels.impls_for(op.targets[0]))
+
+
 def fold_column_sums(graph: Graph, dialects: tuple[str, ...]) -> int:
     """Fold `sum(op(...)[0] or a view of it, every dim but the last)` into the op's `column_sums` twin where an
     enabled dialect runs the twin. Returns how many sums were folded."""
-    from kiln.dialects import registry as kernels
     from kiln.ops import registry
     twins: dict[int, Value] = {}                    # node uid -> its sums output
     folded = 0
@@ -84,7 +105,7 @@ def fold_column_sums(graph: Graph, dialects: tuple[str, ...]) -> int:
             continue
         twin = n.op.column_sums
         if n.uid not in twins:
-            if not any(i.dialect.name in dialects for i in kernels.impls_for(twin.targets[0])):
+            if not _runs(twin, dialects):
                 continue
             meta = twin.infer(n.args, n.kwargs)[1]
             sums = Value(graph.fresh_name("column_sums"), meta)

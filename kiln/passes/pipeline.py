@@ -226,8 +226,10 @@ PIPELINE: list[Pass] = [
     ("dce", lambda c: dead_code_elimination(c.graph)),
     ("fuse", lambda c: fuse(c.graph, c.dialects, "training")),    # e.g. all AdamW updates -> one kernel
     # residual gradients' sums into the kernel that makes one addend (rms_norm_backward's grad_sum)
-    # and bias gradients' sums into the kernel making the summed gradient (gelu_backward's twin)
-    ("fold_accumulation", lambda c: fold_accumulation(c.graph) + fold_column_sums(c.graph, c.dialects)),
+    # and bias gradients' sums into the kernel making the summed gradient (gelu_backward's twin); a tied
+    # embedding's two gradients summed by embedding_dense_backward's twin
+    ("fold_accumulation",
+     lambda c: fold_accumulation(c.graph, c.dialects) + fold_column_sums(c.graph, c.dialects)),
     # bf16 -> fp32 casts read by ops that promote; fp32 -> bf16 casts of kernel outputs into the kernels
     ("fold_casts", lambda c: fold_widening_casts(c.graph) + fold_narrowing_casts(c.graph)),
     # attention's forward keeps its probabilities for its backward where they are small (no budget)

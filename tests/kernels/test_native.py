@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler:
 
 DTYPES = [torch.float32, torch.bfloat16]
 kiln_ops = torch.ops.kiln
+aten = torch.ops.aten
 
 
 def _eps(dtype) -> float:
@@ -179,9 +180,10 @@ def test_gelu_tanh_forward_backward(dtype, monkeypatch):
     xd, gd = x.double().requires_grad_(), grad.double()
     want = F.gelu(xd, approximate="tanh")
     want.backward(gd)
-    calls = _used(monkeypatch, "kiln_gelu_tanh")
+    fp32 = dtype == torch.float32        # bf16 runs by table (the test below)
+    calls = _used(monkeypatch, "kiln_gelu_tanh" if fp32 else "kiln_lut_bf16")
     _compare(lambda: activations.gelu(x, "tanh"), (want.detach(),))
-    calls_b = _used(monkeypatch, "kiln_gelu_tanh_backward")
+    calls_b = _used(monkeypatch, "kiln_gelu_tanh_backward" if fp32 else "kiln_lut_scale_bf16")
     _compare(lambda: activations.gelu_backward(grad, x, "tanh"), (xd.grad,))
     assert calls and calls_b
     inplace = x.clone()
@@ -190,6 +192,39 @@ def test_gelu_tanh_forward_backward(dtype, monkeypatch):
     inplace = grad.clone()
     activations.gelu_backward(inplace, x, "tanh", out=inplace)
     assert torch.equal(inplace, activations.gelu_backward(grad, x, "tanh"))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bf16_gelu_by_table(approximate, monkeypatch):
+    """bf16 GELU by table: the forward is ATen's own result for every one of the 65536 bf16 values (NaN as NaN),
+    whatever the offset into the loop; the backward (alone, and with its column sums) is within one bf16
+    rounding of the float64 truth, as close as ATen's, in place too; fp32 exact GELU is not taken."""
+    from kiln.kernels import activations
+    calls = _used(monkeypatch, "kiln_lut_bf16")
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for offset in (0, 1, 7):
+        x = every[offset:].contiguous()
+        torch.testing.assert_close(activations.gelu(x, approximate), F.gelu(x, approximate=approximate), rtol=0,
+                                   atol=0, equal_nan=True)
+    assert len(calls) == 3
+    torch.manual_seed(0)
+    x = (torch.randn(257, 96) * 3).bfloat16()
+    grad = torch.randn(257, 96).bfloat16()
+    truth = torch.ops.aten.gelu_backward(grad.double(), x.double(), approximate=approximate)
+    aten_err = (torch.ops.aten.gelu_backward(grad, x, approximate=approximate).double() - truth).abs()
+    half_ulp = truth.abs() * 2 ** -8 + 1e-38
+    outs = (activations.gelu_backward(grad, x, approximate), activations.gelu_backward_sums(grad, x, approximate)[0])
+    for got in outs:
+        err = (got.double() - truth).abs()
+        assert (err <= half_ulp * 1.01).all() and err.sum() <= aten_err.sum()
+    assert torch.equal(outs[0], outs[1])
+    inplace = grad.clone()
+    assert activations.gelu_backward(inplace, x, approximate, out=inplace) is inplace and torch.equal(inplace, outs[0])
+    sums = activations.gelu_backward_sums(grad, x, approximate)[1]
+    torch.testing.assert_close(sums.double(), outs[0].double().sum(0), rtol=2 ** -7, atol=1e-3)
+    before = len(calls)
+    activations.gelu(x.float(), "none")
+    assert len(calls) == before
 
 
 def test_gelu_tanh_extremes_and_nan():
@@ -447,3 +482,111 @@ def test_prepare_builds_once_beside_the_caller(monkeypatch, tmp_path):
         assert not any(t.name == "kiln-native-build" for t in threading.enumerate())
     finally:
         native._library.cache_clear()
+
+
+def _finite_truth(tensors):
+    return next((i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all())), None)
+
+
+@pytest.mark.parametrize("isa", ["native", "AVX2", "DEFAULT"])
+def test_the_nonfinite_scan_agrees_with_isfinite(isa, monkeypatch):
+    """kiln_first_nonfinite against torch.isfinite: NaN, +-inf (and bf16's) at the first and last element and
+    on both sides of its chunk boundaries, in any tensor of a mixed list; the largest finite values, denormals
+    and -0 are finite; non-dense and float64 tensors take torch.isfinite beside the scan."""
+    if isa != "native":
+        lib = native._library(isa)
+        monkeypatch.setattr(native, "library", lambda: lib)
+    calls = _used(monkeypatch, "kiln_first_nonfinite")
+    torch.manual_seed(0)
+    edge = [torch.finfo(d).max for d in DTYPES] + [torch.finfo(torch.float32).tiny / 4, -0.0]
+    base = [torch.randn(3), torch.randn(140000, dtype=torch.bfloat16), torch.randn(300, 700).t(),
+            torch.randn(1, dtype=torch.bfloat16).squeeze(), torch.randn(8, 6)[:, ::2], torch.randn(5).double(),
+            torch.randn(65537), torch.tensor(edge), torch.tensor(edge[1:], dtype=torch.bfloat16), torch.empty(0)]
+    assert native.first_nonfinite(base) is None and calls
+    for i, t in enumerate(base):
+        n = t.numel()
+        for pos in {0, n - 1, n // 2, min(65535, n - 1), min(65536, n - 1), min(131072, n - 1)} if n else ():
+            for value in (float("nan"), float("inf"), float("-inf")):
+                poisoned = [u.clone() if j == i else u for j, u in enumerate(base)]
+                if not poisoned[i].is_contiguous() and poisoned[i].dim() == 2 and i == 2:
+                    poisoned[i] = base[i].t().clone().t()        # keep the transposed (dense) layout
+                flat = poisoned[i].reshape(-1) if poisoned[i].is_contiguous() else None
+                if flat is not None:
+                    flat[pos] = value
+                else:
+                    poisoned[i][tuple(int(k) for k in torch.unravel_index(torch.tensor(pos), poisoned[i].shape))] = value
+                poisoned[-2] = torch.tensor([1.0, float("nan")])     # a later poisoned tensor never wins
+                assert native.first_nonfinite(poisoned) == _finite_truth(poisoned) == i, (i, pos, value)
+
+
+def test_the_guard_in_a_compiled_step_is_the_scan():
+    """The kiln dialect runs the guard as the scan on CPU; with the dialect off, ATen's norms run: both
+    refuse a step with a NaN in the batch and write nothing."""
+    import kiln
+
+    for dialects in (None, ["aten"]):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        step = kiln.compile(model, loss_fn=lambda m, x, y: F.cross_entropy(m(x), y),
+                            optimizer=kiln.optim.AdamW(lr=1e-2), dialects=dialects)
+        x, y = torch.randn(4, 6), torch.tensor([0, 1, 2, 0])
+        step(x, y)
+        guard = [n.impl.label for n in step.graph.nodes if n.op.name == "kiln.check_finite"]
+        assert guard == (["kiln:finite_scan"] if dialects is None else ["aten:guard"]), guard
+        before = [p.detach().clone() for p in model.parameters()]
+        x[1, 2] = float("nan")
+        with pytest.raises(kiln.NonFiniteError, match="unchanged"):
+            step(x, y)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_the_tied_embedding_sum_is_atens_two_ops_bit_for_bit(monkeypatch):
+    """kiln_embedding_backward_acc against aten.embedding_dense_backward + acc: repeated ids (summed in token
+    order), a padding row, int32 ids, NaN and inf in the gradients, -0 in acc, a bf16 addend (widened first, as
+    its fp32 cast would be); scale_grad_by_freq and all-bf16 take the ATen ops; an id outside the vocabulary
+    raises before anything is written."""
+    from kiln.kernels.embedding import embedding_backward_acc
+    calls = _used(monkeypatch, "kiln_embedding_backward_acc")
+    torch.manual_seed(0)
+    grad = torch.randn(6, 50, 24) * torch.logspace(-3, 3, 50).reshape(1, 50, 1)
+    ids = torch.randint(0, 30, (6, 50))
+    grad[0, 0, 0], grad[1, 1, 1], ids[0, 0], ids[1, 1] = float("nan"), float("inf"), 7, 8
+    acc = torch.randn(30, 24)
+    acc[29] = -0.0
+    ids[ids == 29] = 28
+    f32, bf16 = torch.float32, torch.bfloat16
+    for index, pad, freq, g_dt, a_dt in ((ids, -1, False, f32, f32), (ids, 5, False, f32, f32),
+                                         (ids.int(), 3, False, f32, f32), (ids, -1, True, f32, f32),
+                                         (ids, 2, False, f32, bf16), (ids, -1, False, bf16, f32),
+                                         (ids, -1, False, bf16, bf16)):
+        before = len(calls)
+        g, a = grad.to(g_dt), acc.to(a_dt)
+        dt = torch.promote_types(g_dt, a_dt)
+        want = aten.embedding_dense_backward(g.to(dt), index, 30, pad, freq) + a.to(dt)
+        (got,) = embedding_backward_acc(g, index, 30, pad, freq, a)
+        bits = torch.int32 if dt == f32 else torch.int16
+        assert got.dtype == dt and torch.equal(got.view(bits), want.view(bits)), (pad, freq, g_dt, a_dt)
+        assert (len(calls) > before) == (not freq and dt == f32)
+    with pytest.raises(IndexError, match="index 30 is out of range for 30 rows"):
+        embedding_backward_acc(grad, torch.full((6, 50), 30), 30, -1, False, acc)
+
+
+def test_the_loss_kernels_scaled_gradients_are_atens_mul_and_cast(monkeypatch):
+    """kiln_scale (the fused loss's backward scaling its two gradients) against `(x * factor).to(dtype)`: the same
+    values bit for bit (NaN as NaN) over 60 decades, including denormal products; a bf16 product widened to fp32
+    and a promoting factor take ATen's ops."""
+    import importlib
+    ce = importlib.import_module("kiln.kernels.cross_entropy")
+    calls = _used(monkeypatch, "kiln_scale")
+    torch.manual_seed(0)
+    f32, bf16 = torch.float32, torch.bfloat16
+    for x_dt, f_dt, out_dt, native_runs in ((f32, f32, bf16, True), (f32, f32, f32, True), (bf16, bf16, bf16, True),
+                                            (bf16, bf16, f32, False), (bf16, f32, bf16, False)):
+        before = len(calls)
+        x = (torch.randn(300, 64) * torch.logspace(-30, 30, 64)).to(x_dt)
+        x[0, 0], x[0, 1], x[1, 0] = float("nan"), float("inf"), -0.0
+        factor = torch.tensor(1 / 2047).to(f_dt)
+        got, want = ce._scaled(x, factor, out_dt), (x * factor).to(out_dt)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert (len(calls) > before) == native_runs, (x_dt, f_dt, out_dt)

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kiln
 from kiln.dialects import upcast
+from kiln.kernels import activations
 from kiln.passes import pipeline
 
 
@@ -439,10 +440,11 @@ def main() -> None:
     # (the native path is checked in one process against torch.autocast, tests/models/test_amp_parity.py).
     upcast._lacks_native = lambda dtype: True
     # For the same reason the GELU backward stays ATen's: Kiln's bf16 steps fold a bias's gradient sum into their
-    # own GELU backward (kiln/passes/accumulate.py), whose exact form rounds in other places than ATen's (closer
-    # to float64: tests/kernels/test_activations.py), and Adam's first steps would turn that into the same 1e-4
-    # differences. The ranks' data-parallel machinery does not depend on it.
+    # own GELU backward (kiln/passes/accumulate.py) and read the derivative from a table (kiln/kernels/
+    # activations.py), which round in other places than ATen's (closer to float64: tests/kernels), and Adam's
+    # first steps would turn that into the same 1e-4 differences. The ranks' machinery does not depend on it.
     pipeline.fold_column_sums = lambda graph, dialects: 0
+    activations._lut = lambda *tensors, approximate: None     # nor by table (its derivative rounds once, in fp32)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     result = SCENARIOS[scenario](out, world, rank, *args)

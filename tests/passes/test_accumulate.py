@@ -57,7 +57,7 @@ def test_llama_steps_fold_every_residual_sum_and_train_bit_for_bit_as_with_the_a
     real = pipeline.fold_accumulation
 
     def train(fold: bool, amp):
-        monkeypatch.setattr(pipeline, "fold_accumulation", real if fold else (lambda graph: 0))
+        monkeypatch.setattr(pipeline, "fold_accumulation", real if fold else (lambda graph, dialects=None: 0))
         m = copy.deepcopy(model)
         step = kiln.compile(m, optimizer=kiln.optim.AdamW(lr=1e-3), amp=amp, dialects=["kiln", "sdpa", "aten"])
         losses = [step(**batch).item() for _ in range(3)]
@@ -126,3 +126,67 @@ def test_gpt2_and_bert_steps_fold_their_mlp_bias_sums_and_train_like_eager():
             step = sgd_like_eager(name, amp)
             twins = [n for n in step.graph.nodes if n.op.name == "kiln.gelu_backward_sums"]
             assert (bool(twins) == (amp is not None)) and all(len(n.outputs) == 2 for n in twins), (name, amp)
+
+
+# ---- a tied embedding's two gradients (embedding_dense_backward's `accumulating` twin) ---------------------
+def _embedding_graph(dtype=torch.float32, other_after=False, read_alone=False, swap=False, padding_idx=-1):
+    torch.manual_seed(0)
+    grad, ids = torch.randn(3, 40, 16) * 100, torch.randint(0, 12, (3, 40))
+    other = torch.randn(12, 16)
+    other[0, :4] = -0.0                                     # -0 + an unnamed row's 0 is +0, as ATen's add makes it
+    tensors = (grad.to(dtype), ids, other.to(dtype))
+    g, b, (gv, iv, ov) = graph_with_inputs(*tensors)
+    e = b(aten.embedding_dense_backward.default, gv, iv, 12, padding_idx, False)
+    if other_after:
+        ov = b(aten.mul.Tensor, ov, 1.0)                    # computed after the embedding's backward
+    s = b(aten.add.Tensor, *((ov, e) if swap else (e, ov)))
+    g.outputs = [s, e] if read_alone else [s]
+    return g, tensors
+
+
+def test_a_tied_embeddings_sum_becomes_the_twin_with_the_same_bits():
+    from kiln.passes.dispatch import dispatch
+    from kiln.runtime.codegen import generate
+    for kw in (dict(), dict(swap=True), dict(padding_idx=3)):
+        g, (grad, ids, other) = _embedding_graph(**kw)
+        want = aten.embedding_dense_backward(grad, ids, 12, kw.get("padding_idx", -1), False) + other
+        assert fold_accumulation(g, ("kiln", "aten")) == 1, kw
+        assert count(g, aten.add.Tensor) == 0 and count(g, aten.embedding_dense_backward.default) == 0
+        (n,) = [n for n in g.nodes if n.op.name == "kiln.embedding_backward_acc"]
+        assert n.args[-1] is g.inputs[2]
+        dispatch(g, ("kiln", "aten"))
+        assert n.impl.label == "kiln:embedding_backward_acc"
+        got = generate(g)[1](grad, ids, other)
+        assert torch.equal(got, want) and torch.equal(got.view(torch.int32), want.view(torch.int32)), kw
+
+
+def test_a_tied_embeddings_sum_stays_where_bits_order_or_dialects_say_so():
+    for kw in (dict(dtype=torch.bfloat16), dict(other_after=True), dict(read_alone=True)):
+        g, _ = _embedding_graph(**kw)
+        assert fold_accumulation(g, ("kiln", "aten")) == 0, kw
+        assert count(g, aten.add.Tensor) == 1
+    g, _ = _embedding_graph()
+    assert fold_accumulation(g, ("aten",)) == 0          # no enabled dialect runs the twin
+
+
+def test_gpt2_steps_sum_their_tied_embedding_in_the_twin_bit_for_bit_as_with_the_add(monkeypatch):
+    """GPT-2 ties its word embedding to the output projection: fp32 and bf16 steps sum the two gradients in one
+    pass, and losses and parameters after 3 steps are the same bits as the program with ATen's two ops (the
+    program's parity with eager is tests/models)."""
+    import kiln.passes.pipeline as pipeline
+    from tests.models import zoo
+    model, _args, batch, _loss = zoo.gpt2()
+    real = pipeline.fold_accumulation
+
+    def train(fold: bool, amp):
+        monkeypatch.setattr(pipeline, "fold_accumulation", real if fold else (lambda graph, dialects=None: 0))
+        m = copy.deepcopy(model)
+        step = kiln.compile(m, optimizer=kiln.optim.AdamW(lr=1e-3), amp=amp)
+        losses = [step(**batch).item() for _ in range(3)]
+        return step.last.graph, losses, [p.detach().clone() for p in m.parameters()]
+
+    for amp in (None, "bf16"):
+        g1, l1, p1 = train(True, amp)
+        _g0, l0, p0 = train(False, amp)
+        assert [n.op.name for n in g1.nodes].count("kiln.embedding_backward_acc") == 1, amp
+        assert l1 == l0 and all(torch.equal(a, b) for a, b in zip(p1, p0)), amp

@@ -212,12 +212,21 @@ def test_two_threads_on_one_step_equal_a_serial_order_bit_for_bit():
         assert torch.equal(p, q)
 
 
-def test_the_guard_tells_huge_finite_gradients_from_non_finite_ones():
-    from kiln.guards import check_finite
+@pytest.mark.parametrize("kernel", ["check_finite", "check_finite_scan"])
+def test_the_guard_tells_huge_finite_gradients_from_non_finite_ones(kernel):
+    """Both kernels of the guard (ATen's norms, the kiln dialect's scan): a gradient whose norm overflows is
+    finite; the first non-finite gradient is named; a non-finite loss is named as the loss."""
+    from kiln import guards
+    check_finite = getattr(guards, kernel)
     loss = torch.tensor(1.0)
-    check_finite(loss, [torch.full((4,), 1e20), torch.ones(3)], ("a", "b"), "raise")   # norm overflows: finite
-    with pytest.raises(kiln.NonFiniteError, match="parameter 'b'"):
-        check_finite(loss, [torch.full((4,), 1e20), torch.tensor([1.0, float("-inf")])], ("a", "b"), "raise")
+    for dtype in (torch.float32, torch.bfloat16):
+        huge = torch.full((4,), 1e20 if dtype == torch.float32 else 1e38, dtype=dtype)
+        check_finite(loss, [huge, torch.ones(3, dtype=dtype)], ("a", "b"), "raise")   # norm overflows: finite
+        with pytest.raises(kiln.NonFiniteError, match="parameter 'b'"):
+            check_finite(loss, [huge, torch.tensor([1.0, float("-inf")], dtype=dtype), torch.tensor([float("nan")])],
+                         ("a", "b", "c"), "raise")
+    with pytest.raises(kiln.NonFiniteError, match="the loss is nan"):
+        check_finite(torch.tensor(float("nan")), [torch.tensor([float("nan")])], ("a",), "raise")
 
 
 def test_a_failing_fused_update_after_a_reference_update_changes_nothing(monkeypatch):
