@@ -36,7 +36,10 @@ STEP_EVENT = "kiln.bench.step"          # the record_function around each profil
 
 _MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation", "aten::addbmm",
            "aten::mkldnn_convolution", "aten::_convolution", "aten::convolution_backward", "aten::mkldnn_linear",
-           "mkldnn::_linear_pointwise", "aten::_int_mm", "aten::mv", "aten::dot", "aten::addmv"}
+           "mkldnn::_linear_pointwise", "aten::_int_mm", "aten::mv", "aten::dot", "aten::addmv",
+           # the in-place forms: a product accumulated into its output (the fused loss's fp32 weight gradient
+           # over its chunks, `addmm_`, counted as fused work until 2026-12-06)
+           "aten::addmm_", "aten::baddbmm_", "aten::addbmm_", "aten::addmv_"}
 _ATTENTION = ("attention", "flash", "sdpa")
 _OPTIMIZER = ("Optimizer.", "aten::_fused_adam", "aten::_fused_sgd", "aten::_foreach_", "kiln.kernel:optimizer:")
 _FUSED = ("kiln::", "kiln.region", "kiln.kernel", "CompiledFunction", "Torch-Compiled Region", "## Call CompiledFxGraph",

@@ -123,6 +123,20 @@ def _row_scale(grad: Tensor, idx: Tensor | None, k: int, reduction: str, acc: to
     return g / k if reduction == "mean" and k else g
 
 
+def _widened(x: Tensor, acc: Tensor | None) -> Tensor:
+    """`x.to(acc_dtype)` (acc None) or `acc.add_(x)`, for a half-type x: for dense CPU bf16 into fp32 one native
+    pass (`kiln_widen_acc`, the same bits: widening is exact), not ATen's conversion into a temporary first."""
+    wide = acc_dtype(x.dtype)
+    lib = native.usable(x)
+    if (lib is None or x.dtype != torch.bfloat16 or wide != torch.float32 or not x.is_contiguous()
+            or (acc is not None and (acc.dtype != wide or acc.shape != x.shape or not acc.is_contiguous()))):
+        return x.to(wide) if acc is None else acc.add_(x)
+    out = torch.empty(x.shape, dtype=wide) if acc is None else acc
+    native.check(lib.kiln_widen_acc(out.data_ptr(), x.data_ptr(), x.numel(), int(acc is None), native.threads()),
+                 "widen")
+    return out
+
+
 class _Grads:
     """grad_hidden (valid rows) and grad_weight, summed over blocks of d loss / d logits."""
 
@@ -137,15 +151,14 @@ class _Grads:
         torch.mm(pw, self.weight, out=self.hidden[s:e])
         h = self.hv[s:e]
         if self.w is None:
-            self.w = torch.mm(pw.t(), h)        # the first block initializes: no zero fill
-            if self.blocks > 1 or self.acc_weight:
-                # more blocks follow: half types accumulate in fp32 (one weight-sized buffer, which a
-                # single block, as for a short sequence, does not need)
-                self.w = self.w.to(acc_dtype(self.weight.dtype))
+            w = torch.mm(pw.t(), h)             # the first block initializes: no zero fill
+            # more blocks follow: half types accumulate in fp32 (one weight-sized buffer, which a single
+            # block, as for a short sequence, does not need)
+            self.w = _widened(w, None) if self.blocks > 1 or self.acc_weight else w
         elif self.w.dtype == pw.dtype:
             self.w.addmm_(pw.t(), h)
         else:
-            self.w.add_(torch.mm(pw.t(), h))
+            _widened(torch.mm(pw.t(), h), self.w)
 
     def result(self, hidden: Tensor, idx: Tensor | None) -> tuple[Tensor, Tensor]:
         dtype = acc_dtype(self.weight.dtype) if self.acc_weight else self.weight.dtype

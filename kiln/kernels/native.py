@@ -84,6 +84,7 @@ _SIGNATURES = {
                                _i64, _i64, _i64, _i64, _i64, _dbl, _int],
     "kiln_first_nonfinite": [_i64s, _ints, _i64s, _int, _int],
     "kiln_scale": [_ptr, _int, _ptr, _int, _i64, _dbl, _int],
+    "kiln_widen_acc": [_ptr, _ptr, _i64, _int, _int],
     "kiln_embedding_backward_acc": [_ptr, _int, _ptr, _i64, _i64, _i64, _i64, _ptr, _int, _ptr, _int],
     "kiln_attn_backward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _ptr, _ptr, _i64s,
                                 _int, _ptr, _ptr, _ptr, _i64s, _i64, _i64, _i64, _i64, _i64, _i64, _dbl, _int],

@@ -1,4 +1,4 @@
-/* Single sweeps over whole tensors: the non-finite guard's scan and a scaled, rounded copy.
+/* Single sweeps over whole tensors: the non-finite guard's scan, a scaled and rounded copy, a widening sum.
  * Compiled as part of native.c (#included).
  *
  * kiln_first_nonfinite: the non-finite guard's scan (kiln/guards.py), one read of every gradient.
@@ -81,6 +81,22 @@ int kiln_scale(const void *x, int x_dt, void *out, int o_dt, int64_t n, double f
         for (int64_t i = 0; i < n; i++) o[i] = f_bf16(bf16_f(a[i]) * f);
     } else {
         return 2;
+    }
+    return 0;
+}
+
+/* kiln_widen_acc: acc[i] = x[i] (first) or acc[i] + x[i] (else), x bf16 widened exactly, acc fp32: the bits of
+ * ATen's `x.to(float32)` and of `acc.add_(x)`, without their temporaries (a promoting add_ converts x into a
+ * fresh fp32 buffer first). The fused loss's weight gradient summed over its blocks of rows (cross_entropy.py):
+ * 8192 x 512 on the EPYC, the add 0.28 against 1.33 ms alone; the whole bf16 loss kernel (2048 tokens, two
+ * blocks) 161.5 against 166.6 ms. n elements, both dense. */
+int kiln_widen_acc(float *acc, const uint16_t *x, int64_t n, int first, int threads) {
+    if (first) {
+#pragma omp parallel for simd num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < n; i++) acc[i] = bf16_f(x[i]);
+    } else {
+#pragma omp parallel for simd num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < n; i++) acc[i] += bf16_f(x[i]);
     }
     return 0;
 }

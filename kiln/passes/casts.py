@@ -102,6 +102,7 @@ def fold_narrowing_casts(graph: Graph) -> int:
             cast = copies[n]
             outs = Builder(graph, n.phase, n.scope, dest=nodes)(n.target, *n.args, **n.kwargs,
                                                               low_dtype=cast.outputs[0].meta.dtype)
+            nodes[-1].fused = n.fused               # explain still names the fusion that made it
             replace.update(zip(n.outputs, outs))
             replace[cast.outputs[0]] = outs[n.op.also_low[1]]
             continue
@@ -111,6 +112,7 @@ def fold_narrowing_casts(graph: Graph) -> int:
         dtype, chains = plans[n]
         b = Builder(graph, n.phase, n.scope, dest=nodes)
         out = b(n.target, *n.args, **n.kwargs, out_dtype=dtype)
+        nodes[-1].fused = n.fused
         outs = out if isinstance(out, tuple) else (out,)
         replace.update(zip(n.outputs, outs))
         for i, chain in zip(n.op.out_dtype, chains):

@@ -11,6 +11,7 @@ from kiln.bench.split import CATEGORIES, STEP_EVENT, category, profile_split, sp
 @pytest.mark.parametrize("name,ancestors,want", [
     ("aten::mm", [STEP_EVENT], "matmul"),
     ("aten::mm", ["kiln::linear_cross_entropy_grads", STEP_EVENT], "matmul"),        # a kernel's products
+    ("aten::addmm_", ["kiln::linear_cross_entropy_grads", STEP_EVENT], "matmul"),    # accumulated in place
     ("aten::exp_", ["kiln::linear_cross_entropy_grads", STEP_EVENT], "fused"),       # the rest of the kernel
     ("aten::copy_", ["aten::_to_copy", "kiln::rms_norm", STEP_EVENT], "fused"),      # a cast inside a kernel
     ("aten::copy_", ["aten::_to_copy", STEP_EVENT], "casts"),

@@ -590,3 +590,33 @@ def test_the_loss_kernels_scaled_gradients_are_atens_mul_and_cast(monkeypatch):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
         assert (len(calls) > before) == native_runs, (x_dt, f_dt, out_dt)
+
+
+def test_the_loss_kernels_weight_gradient_widens_in_place(monkeypatch):
+    """kiln_widen_acc (the fused loss's bf16 weight gradient summed over blocks of rows in fp32) gives the bits of
+    ATen's `x.to(float32)` and `acc.add_(x)`, specials included; the bf16 loss kernel sums its blocks with it and
+    its weight gradient is bit for bit the one ATen's widening and adds give."""
+    import importlib
+    ce = importlib.import_module("kiln.kernels.cross_entropy")
+    calls = _used(monkeypatch, "kiln_widen_acc")
+    torch.manual_seed(0)
+    x = (torch.randn(257, 33) * 1e3).bfloat16()
+    x.view(-1)[:6] = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e-40, -0.0, 3e38]).bfloat16()
+    acc = torch.randn(257, 33) * 1e3
+    assert torch.equal(ce._widened(x, None).view(torch.int32), x.float().view(torch.int32))
+    want = acc.clone().add_(x)
+    got = acc.clone()
+    assert ce._widened(x, got) is got
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert len(calls) == 2
+    for args in ((x.t(), None), (x.float(), None)):                 # not dense bf16: ATen's
+        torch.testing.assert_close(ce._widened(*args), args[0].float(), rtol=0, atol=0, equal_nan=True)
+
+    h, w = torch.randn(96, 64).bfloat16(), (torch.randn(300, 64) * 0.1).bfloat16()
+    y = torch.randint(0, 300, (96,))
+    native_out = ce.linear_cross_entropy_grads_op(h, w, y, -100, "mean", 32)
+    assert len(calls) == 2 + 3                                     # three blocks of 32 rows
+    monkeypatch.setattr(ce, "_widened", lambda x, acc: x.float() if acc is None else acc.add_(x))
+    aten_out = ce.linear_cross_entropy_grads_op(h, w, y, -100, "mean", 32)
+    for got, want in zip(native_out, aten_out):
+        assert torch.equal(got, want)
