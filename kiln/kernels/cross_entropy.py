@@ -124,14 +124,13 @@ def _row_scale(grad: Tensor, idx: Tensor | None, k: int, reduction: str, acc: to
 
 
 def _widened(x: Tensor, acc: Tensor | None) -> Tensor:
-    """`x.to(acc_dtype)` (acc None) or `acc.add_(x)`, for a half-type x: for dense CPU bf16 into fp32 one native
-    pass (`kiln_widen_acc`, the same bits: widening is exact), not ATen's conversion into a temporary first."""
-    wide = acc_dtype(x.dtype)
+    """`x.to(acc_dtype(x.dtype))` (acc None) or `acc.add_(x)`: for dense CPU bf16 x into fp32 one native pass
+    (`kiln_widen_acc`, the same bits: widening is exact), not ATen's conversion into a temporary first."""
     lib = native.usable(x)
-    if (lib is None or x.dtype != torch.bfloat16 or wide != torch.float32 or not x.is_contiguous()
-            or (acc is not None and (acc.dtype != wide or acc.shape != x.shape or not acc.is_contiguous()))):
-        return x.to(wide) if acc is None else acc.add_(x)
-    out = torch.empty(x.shape, dtype=wide) if acc is None else acc
+    if (lib is None or x.dtype != torch.bfloat16 or not x.is_contiguous()
+            or (acc is not None and (acc.dtype != torch.float32 or acc.shape != x.shape or not acc.is_contiguous()))):
+        return x.to(acc_dtype(x.dtype)) if acc is None else acc.add_(x)
+    out = torch.empty(x.shape, dtype=torch.float32) if acc is None else acc
     native.check(lib.kiln_widen_acc(out.data_ptr(), x.data_ptr(), x.numel(), int(acc is None), native.threads()),
                  "widen")
     return out

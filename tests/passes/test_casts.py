@@ -135,6 +135,9 @@ def test_a_bf16_llama_step_has_no_cast_around_its_kernels_and_trains_bit_for_bit
         g = folded.last.graph
         kernels = [n for n in g.nodes if n.op.name in ("kiln.rms_norm", "kiln.rope", "kiln.rope_backward")]
         assert kernels and all(n.outputs[0].meta.dtype == torch.bfloat16 for n in kernels if "out_dtype" in n.kwargs)
+        # a kernel rebuilt with its cast folded in keeps the record of the fusion that made it (explain's "fused:")
+        rebuilt = [n for n in kernels if n.op.name in ("kiln.rms_norm", "kiln.rope") and "out_dtype" in n.kwargs]
+        assert rebuilt and all(n.fused is not None and n.fused.fusion == "kiln:" + n.op.name[5:] for n in rebuilt)
         users = g.users()
         narrowing = [u for n in kernels for o in n.outputs for u in users.get(o, ()) if casts._narrowing(u)]
         assert not narrowing, narrowing
