@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test test-all bench setup clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	# torch is pinned to 2.13.0: its CPU wheel is on the machine; anything looser pulls a CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
@@ -40,4 +40,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/step_compare.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache build kiln/kernels/_native_*.so

@@ -5,12 +5,15 @@ device and dtype, but each reads and writes its full-size temporaries again (RMS
 five passes over its rows). On CPU, for float32 and bfloat16 tensors of the usual layouts, they call
 the loops in native.c instead, which read each input once and write each output once, in fp32 inside.
 
-Building: the first call compiles native.c with the C compiler (`$CC`, else `cc`; about a second) for the
-vector ISA ATen runs with (`torch.backends.cpu.get_cpu_capability()`, which `ATEN_CPU_CAPABILITY`
-lowers), into `$KILN_CACHE_DIR/native/` (default ~/.cache/kiln/native), named by a digest of the source,
-the compiler's version and the flags, written through a rename. A folder not private to this user is not
-loaded from (a shared library is code). No compiler, a failed build or `KILN_NATIVE=0`: the ATen
-compositions run, and the log says why once.
+Building (native_build.py): the library is for the vector ISA ATen runs with
+(`torch.backends.cpu.get_cpu_capability()`, which `ATEN_CPU_CAPABILITY` lowers). `pip install` builds one per
+ISA into the package (setup.py), named by a digest of the sources and flags, and the first call loads the one
+whose digest matches the sources beside it. Where there is none (an edited checkout, a failed install-time
+build), the first call compiles native.c with the C compiler (`$CC`, else `cc`; 3-4 s of CPU with -O3, in a
+thread beside the model's capture, `prepare`) into `$KILN_CACHE_DIR/native/` (default ~/.cache/kiln/native),
+named by a digest of the sources, the compiler's version and the flags, written through a rename. A folder
+not private to this user is not loaded from (a shared library is code). No compiler, a failed build or
+`KILN_NATIVE=0`: the ATen compositions run, and the log says why once.
 
 The loops use the OpenMP runtime torch already loaded (libgomp.so.1) with torch's thread count.
 """
@@ -23,6 +26,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 import threading
 from pathlib import Path
@@ -32,19 +36,12 @@ import torch
 from torch import Tensor
 
 from kiln import cachedir
+from kiln.kernels import native_build
 
 log = logging.getLogger("kiln")
 
-_SOURCE = Path(__file__).with_name("native.c")
-_SOURCES = (_SOURCE, *(Path(__file__).with_name(f)        # #included
-                       for f in ("native_loss.c", "native_attention.c", "native_sweeps.c", "native_embedding.c",
-                                 "native_lut.c")))
 ROW_MAX = 8192                     # native.c's row buffers; longer rows run the ATen composition
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
-_ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
 
 # the kernels (torch.ops.kiln.<name>) whose CPU implementation calls these loops
 OPS = ("rms_norm", "add_rms_norm", "rms_norm_backward", "rope", "rope_backward", "swiglu", "swiglu_backward",
@@ -98,21 +95,12 @@ def enabled() -> bool:
 
 @functools.cache
 def _library(isa: str) -> Optional[ctypes.CDLL]:
-    """native.c built for `isa` and loaded, or None (logged once) where it cannot be."""
-    cc = os.environ.get("CC") or "cc"
-    path = shutil.which(cc)
-    if path is None:
-        log.info("kiln: no C compiler (%s) found: Kiln's elementwise kernels run as ATen compositions", cc)
-        return None
-    base = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", *_ISA_FLAGS.get(isa, [])]
+    """native.c built for `isa` and loaded, or None (logged once) where it cannot be: the library `pip install`
+    built from these very sources if there is one, else one built now into the user's cache."""
     try:
-        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-        folder = cachedir.private(cachedir.root(), ("native",))   # a shared library is code: ours alone
-        try:
-            target = _build(path, version, ["-fopenmp", *base], folder, isa)
-        except OSError as exc:                 # a compiler without OpenMP (Apple's clang): one thread
-            target = _build(path, version, base, folder, isa)
-            log.info("kiln: native CPU kernels built without OpenMP (%s): they run on one thread", exc)
+        target = _installed(isa) or _built(isa)
+        if target is None:
+            return None
         lib = ctypes.CDLL(str(target))
         _loaded[isa] = str(target)
         for name, args in _SIGNATURES.items():
@@ -125,6 +113,33 @@ def _library(isa: str) -> Optional[ctypes.CDLL]:
         return None
 
 
+def _installed(isa: str) -> Optional[Path]:
+    """The library setup.py built for `isa` at install time from the sources beside this file (their digest is
+    in its name), or None: not installed that way, built for other sources (an edited checkout), or for
+    another ISA."""
+    path = native_build.HERE / (native_build.installed_stem(isa, native_build.flags(isa))
+                                + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    return path if path.is_file() else None
+
+
+def _built(isa: str) -> Optional[Path]:
+    """The library for `isa` from the user's cache, compiled there first if it is not there yet; None where
+    there is no C compiler."""
+    cc = os.environ.get("CC") or "cc"
+    path = shutil.which(cc)
+    if path is None:
+        log.info("kiln: no C compiler (%s) found: Kiln's elementwise kernels run as ATen compositions", cc)
+        return None
+    version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    folder = cachedir.private(cachedir.root(), ("native",))   # a shared library is code: ours alone
+    try:
+        return _build(path, version, native_build.flags(isa), folder, isa)
+    except OSError as exc:                 # a compiler without OpenMP (Apple's clang): one thread
+        target = _build(path, version, native_build.flags(isa, openmp=False), folder, isa)
+        log.info("kiln: native CPU kernels built without OpenMP (%s): they run on one thread", exc)
+        return target
+
+
 _loaded: dict[str, str] = {}          # ISA -> the library file loaded for it
 
 
@@ -135,13 +150,15 @@ def describe() -> str:
     isa = torch.backends.cpu.get_cpu_capability()
     if library() is None:
         return "unavailable (no C compiler or the build failed; see the log): ATen compositions"
-    return f"{isa.lower()} build, {_loaded.get(isa, '?')} (KILN_NATIVE=0 turns them off)"
+    path = _loaded.get(isa, "?")
+    how = "installed with the package" if Path(path).parent == native_build.HERE else "built on first use"
+    return f"{isa.lower()} build, {how}: {path} (KILN_NATIVE=0 turns them off)"
 
 
 def _build(compiler: str, version: str, flags: list[str], folder: Path, isa: str) -> Path:
     """native.c compiled with `flags` into `folder` (named by a digest of the source, compiler and flags; built
     once, through a temporary file and a rename, so no reader sees half a library)."""
-    sources = tuple(p.read_bytes() for p in _SOURCES)
+    sources = tuple(p.read_bytes() for p in native_build.SOURCES)
     digest = hashlib.sha256(repr((sources, version, flags, os.path.realpath(compiler))).encode())
     target = folder / f"kiln-native-{isa.lower()}-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -149,10 +166,7 @@ def _build(compiler: str, version: str, flags: list[str], folder: Path, isa: str
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode != 0:
-            raise OSError(f"{os.path.basename(compiler)} failed: {done.stderr.strip()[:400]}")
+        native_build.compile_library(compiler, flags, tmp)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
+import sysconfig
 
 import pytest
 import torch
@@ -279,12 +281,48 @@ def test_every_isa_build_agrees(monkeypatch):
         assert torch.allclose(kiln_ops.swiglu(gu[:, :300], gu[:, 300:]), want, rtol=1e-6, atol=1e-7)
 
 
+def _no_installed(monkeypatch) -> None:
+    """As where `pip install` built no library (or one for other sources): the build on first use is tested."""
+    monkeypatch.setattr(native, "_installed", lambda isa: None)
+
+
+def test_the_library_installed_for_these_sources_is_loaded_and_no_other(monkeypatch, tmp_path):
+    """setup.py's library (named by the sources' and flags' digest) is loaded instead of a build; a library
+    built for other sources (an edited checkout) is not: the cache's build runs instead."""
+    from kiln.kernels import native_build
+    isa = "DEFAULT"                 # the quickest to build
+    here = tmp_path / "pkg"
+    here.mkdir()
+    for src in native_build.SOURCES:
+        (here / src.name).write_bytes(src.read_bytes())
+    monkeypatch.setattr(native_build, "HERE", here)
+    monkeypatch.setattr(native_build, "SOURCES", tuple(here / p.name for p in native_build.SOURCES))
+    monkeypatch.setattr(native_build, "SOURCE", here / "native.c")
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    stem = native_build.installed_stem(isa, native_build.flags(isa))
+    assert native._installed(isa) is None
+    lib = here / (stem + sysconfig.get_config_var("EXT_SUFFIX"))
+    native_build.compile_library(shutil.which("cc"), native_build.flags(isa), str(lib))
+    native._library.cache_clear()
+    try:
+        assert native._installed(isa) == lib and native._library(isa) is not None
+        assert native._loaded[isa] == str(lib) and not (tmp_path / "cache").exists()
+        with open(here / "native_lut.c", "a") as f:         # the sources change: that library is not theirs
+            f.write("\n/* edited */\n")
+        assert native._installed(isa) is None
+        native._library.cache_clear()
+        assert native._library(isa) is not None and native._loaded[isa].startswith(str(tmp_path / "cache"))
+    finally:
+        native._library.cache_clear()
+
+
 def test_disabled_or_unbuildable_runs_the_compositions(monkeypatch, tmp_path, caplog):
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     want = _run(lambda: kiln_ops.rms_norm(x, torch.ones(8), 1e-6), False)[0]
     monkeypatch.setenv("KILN_NATIVE", "0")
     assert native.library() is None
     monkeypatch.delenv("KILN_NATIVE")
+    _no_installed(monkeypatch)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     native._library.cache_clear()
@@ -302,6 +340,7 @@ def test_a_folder_others_can_write_is_not_loaded_from(monkeypatch, tmp_path, cap
     cache = tmp_path / "cache"
     (cache / "native").mkdir(parents=True)
     os.chmod(cache / "native", 0o777)
+    _no_installed(monkeypatch)
     monkeypatch.setenv("KILN_CACHE_DIR", str(cache))
     native._library.cache_clear()
     try:
@@ -314,6 +353,7 @@ def test_a_folder_others_can_write_is_not_loaded_from(monkeypatch, tmp_path, cap
 
 
 def test_the_build_is_cached_privately(monkeypatch, tmp_path):
+    _no_installed(monkeypatch)
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     native._library.cache_clear()
     try:
@@ -332,6 +372,7 @@ def _wrapped_cc(monkeypatch, tmp_path, before: str) -> None:
     cc = tmp_path / "cc-wrapped"
     cc.write_text(f"#!/bin/sh\n{before}\nexec {shutil.which('cc')} \"$@\"\n")
     cc.chmod(0o755)
+    _no_installed(monkeypatch)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     native._library.cache_clear()
