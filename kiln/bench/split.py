@@ -148,6 +148,9 @@ def gaps(results: dict[str, dict], base: str, other: str) -> str:
     return f"{base} against {other}, ms a step: " + ", ".join(parts) + f" (wall {total:+.1f})"
 
 
+ELSE = ("fused", "casts", "optimizer", "other", "untraced")     # "everything else": not matmul, not attention
+
+
 def render(results: dict[str, dict]) -> str:
     """A table of milliseconds per step: categories down, modes across (`results`: mode -> profile_split's
     dict, or None for a mode without one)."""
@@ -159,8 +162,10 @@ def render(results: dict[str, dict]) -> str:
     rows.append(["traced total"] + [f"{results[m]['traced_s'] * 1e3:.1f}" for m in modes])
     rows.append(["wall (profiled)"] + [f"{results[m]['wall_s'] * 1e3:.1f}" for m in modes])
     rows.append(["page faults"] + [str(results[m].get("faults_per_step", "-")) for m in modes])
+    rows.append(["everything else"] + [f"{sum(results[m]['per_step_s'][c] for c in ELSE) * 1e3:.1f}" for m in modes])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    lines = ["Where each step's time goes (ms per step, self time of torch.profiler events, kiln/bench/split.py):",
+    lines = ["Where each step's time goes (ms per step, self time of torch.profiler events, kiln/bench/split.py; "
+             "everything else: all but matmul and attention):",
              fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
     return "\n".join(lines)

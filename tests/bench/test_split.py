@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.bench.split import CATEGORIES, STEP_EVENT, category, profile_split, split_events
+from kiln.bench.split import CATEGORIES, STEP_EVENT, category, profile_split, render, split_events
 
 
 @pytest.mark.parametrize("name,ancestors,want", [
@@ -59,6 +59,14 @@ def test_an_eager_step_splits_into_categories_that_add_up_to_the_profilers_total
         assert got["per_step_s"][name] > 0, (name, got)
     assert got["per_step_s"]["fused"] == 0
     assert got["traced_s"] <= got["wall_s"] * 1.5
+
+
+def test_the_table_sums_everything_but_matmul_and_attention():
+    per = dict.fromkeys(CATEGORIES, 0.0) | {"matmul": 0.5, "attention": 0.1, "fused": 0.06, "optimizer": 0.01,
+                                            "untraced": 0.004}
+    table = render({"kiln": {"per_step_s": per, "traced_s": 0.674, "wall_s": 0.7}})
+    row = next(line for line in table.splitlines() if line.startswith("everything else"))
+    assert row.split()[-1] == "74.0"
 
 
 def test_the_split_counts_exactly_the_profiled_steps():
