@@ -11,6 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from kiln.capture import capture, export
+from kiln.dialects import inductor as inductor_dialect
 from kiln.dialects import measure
 from kiln.dialects import registry as dialect_registry
 from kiln.dialects.tuning import Tuner, replaying
@@ -133,6 +134,8 @@ class CompiledStep:
         self.verify = verify
         self.amp = AmpPolicy.make(amp, amp_overrides) if amp is not None else None
         on_cpu = all(p.device.type == "cpu" for p in self.params.values())
+        if on_cpu:                            # a warm cache's compiled regions: Inductor readied beside the capture
+            inductor_dialect.prefetch(self.dialects or dialect_registry.enabled())
         if self.amp is not None and on_cpu and cpu_has_native(self.amp.dtype) is False:
             low = str(self.amp.dtype).replace("torch.", "")
             if "upcast" in (self.dialects or dialect_registry.enabled()):

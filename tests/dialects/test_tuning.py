@@ -315,3 +315,27 @@ def test_the_training_lends_a_core_to_a_worker_and_gets_it_back(monkeypatch):
     finally:
         background._lent, background._borrowers = None, 0
         torch.set_num_threads(threads)
+
+
+def test_inductor_is_readied_beside_the_capture_only_where_the_cache_has_regions_to_load(monkeypatch, tmp_path):
+    """A warm cache (measured regions of this machine): `kiln.compile` starts Inductor's imports and ISA probe in
+    a thread; a cold cache, or a step without the inductor dialect, starts nothing."""
+    calls = []
+    monkeypatch.setattr(inductor, "codegen_facts", lambda: calls.append(1))
+    monkeypatch.setattr(inductor, "_prefetching", [])
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    model = torch.nn.Linear(4, 4)
+
+    def compile_step(dialects=("aten", "inductor")):
+        kiln.compile(model, loss_fn=lambda out, *_: out.sum(), optimizer=kiln.optim.SGD(lr=0.1), dialects=dialects)
+        return list(inductor._prefetching)
+
+    assert compile_step() == [] and not calls                       # cold: nothing to load before the first step
+    folder = inductor.cache_dir()
+    (folder / "0123abcd.timing.json").write_text(json.dumps({"aten_ms": 1.0}))
+    assert compile_step(dialects=("aten",)) == []                   # the step cannot use Inductor
+    started = compile_step()
+    assert len(started) == 1
+    started[0].join(10)
+    assert calls == [1]
+    assert compile_step() == started and calls == [1]               # once per process
