@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import linecache
 import logging
@@ -255,15 +256,18 @@ def store_source(folder: Path, key: str, source: str) -> bool:
 
 
 _prefetching: list[threading.Thread] = []      # the one prefetch thread of this process, once started
+# what codegen_facts and pick_vec_isa import (check_build imports codecache and the file lock inside)
+_PROBE_IMPORTS = ("torch.utils._filelock", "torch._inductor.config", "torch._inductor.cpp_builder",
+                  "torch._inductor.cpu_vec_isa", "torch._inductor.codecache")
 
 
 def prefetch(dialects: tuple[str, ...]) -> bool:
     """Where the step may use this dialect and this machine's cache holds measured regions (a run before this
-    one: the first step will load compiled kernels before it runs), start Inductor's imports and its probe
-    of the vector ISA in a thread (`codegen_facts`: `pick_vec_isa` test-builds and runs a Python subprocess
-    per ISA, about a second, once per process), so they run beside the model's capture rather than inside the
-    first step. Measured on the BERT bench model with a warm cache: first step 4.0 -> 3.3 s. A cold cache
-    has nothing to load before the first step, so nothing is started then. True when it started the thread."""
+    one: the first step will load compiled kernels before it runs), import Inductor's modules now and start its
+    probe of the vector ISA in a thread (`codegen_facts`: `pick_vec_isa` test-builds and runs a Python
+    subprocess per ISA, about a second, once per process), so the probe runs beside the model's capture rather
+    than inside the first step. A cold cache has nothing to load before the first step, so nothing is done
+    then. True when it started the thread."""
     if "inductor" not in dialects or _prefetching:
         return False
     folder = cachedir.root() / "inductor" / f"torch-{torch.__version__}" / measure.machine()
@@ -271,6 +275,12 @@ def prefetch(dialects: tuple[str, ...]) -> bool:
         if next(folder.glob("*.timing.json"), None) is None:
             return False
     except OSError:
+        return False
+    try:        # imported here, in the caller's thread: two threads importing one package's cycles can each
+                # see the other's half-initialised modules; the thread then only probes (subprocesses)
+        for name in _PROBE_IMPORTS:
+            importlib.import_module(name)
+    except Exception:
         return False
     thread = threading.Thread(target=codegen_facts, name="kiln-inductor-prefetch", daemon=True)
     _prefetching.append(thread)
