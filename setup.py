@@ -9,6 +9,7 @@ import importlib.util
 import os
 import platform
 import shutil
+import subprocess
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -46,7 +47,7 @@ class BuildNative(build_ext):
         try:
             native_build.compile_library(compiler, ext.build_flags, str(tmp))
             os.replace(tmp, out)
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:      # a failure, or a compiler that hung
             print(f"kiln: the {ext.isa} native kernels were not built ({exc}); they are built on first use")
         finally:
             if tmp.exists():

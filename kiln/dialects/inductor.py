@@ -43,7 +43,6 @@ from pathlib import Path
 import torch
 from torch._ops import OpOverload
 
-from kiln import cachedir
 from kiln.dialects import measure, tuning
 from kiln.dialects.registry import dialect, region_provider
 from kiln.ir import symbolic
@@ -270,9 +269,9 @@ def prefetch(dialects: tuple[str, ...]) -> bool:
     then. True when it started the thread."""
     if "inductor" not in dialects or _prefetching:
         return False
-    folder = cachedir.root() / "inductor" / f"torch-{torch.__version__}" / measure.machine()
+    folder = measure.existing_cache_dir("inductor")
     try:
-        if next(folder.glob("*.timing.json"), None) is None:
+        if folder is None or next(folder.glob("*.timing.json"), None) is None:
             return False
     except OSError:
         return False
