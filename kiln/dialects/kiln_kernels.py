@@ -193,3 +193,53 @@ def build_linear_cross_entropy(b, matches):
 fusion(KILN, "linear_cross_entropy", LINEAR_CE, build_linear_cross_entropy, priority=10,
        doc=f"lm_head + cross-entropy -> kiln.linear_cross_entropy (no logits for ignored labels) when the logits "
            f"take >= {LOGITS_BYTES_TO_FUSE >> 20} MiB; the gradients computed in the forward, in chunks")
+
+
+# LayerNorm's backward in a mixed-precision step, with the gradient sums on either side of it: the residual
+# stream's gradient plus its branch's (an fp32 add of a bf16 value) read as two inputs, the gradient its input
+# gets through its other uses added in the same pass (`accumulates`: kiln/passes/accumulate.py), and the bf16
+# copy the next matmul reads written beside it (`also_low`: kiln/passes/casts.py). ATen runs the add, the
+# backward and the cast as three passes (Inductor's region of them as several): one pass per row here. Only
+# where a gradient reaching it is a half type (autocast's): an fp32 step keeps eager's arithmetic bit for bit.
+LN_BACKWARD = aten.native_layer_norm_backward.default
+_LN_REST = (T("x"), V("shape"), T("mean"), T("rstd"), V("w"), V("bias"), V("mask"))
+LN_BACKWARD_OF_SUM = Op(LN_BACKWARD, Op(aten.add.Tensor, T("g1"), T("g2"), Lit(1), name="g"), *_LN_REST)
+LN_BACKWARD_ALONE = Op(LN_BACKWARD, T("g1"), *_LN_REST)
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _half_gradient(v: Value) -> bool:
+    """A half-type gradient, or one widened from a half type (autocast's backward), seen through views."""
+    while v.producer is not None and v.producer.target in VIEW and isinstance(v.producer.args[0], Value):
+        v = v.producer.args[0]
+    return v.meta.dtype in _HALF or (_is_cast(v) and v.producer.args[0].meta.dtype in _HALF)
+
+
+def build_layer_norm_backward(b, matches):
+    (m,) = matches
+    x, w, bias, mask = m["x"], m["w"], m["bias"], m["mask"]
+    terms = [m["g1"]] + ([m["g2"]] if "g2" in m.bindings else [])
+    metas = [v.meta for v in (x, m["mean"], m["rstd"], *terms)]
+    if any(meta is None or meta.device.type != "cpu" for meta in metas) or not any(_half_gradient(t) for t in terms):
+        return None
+    d = shape(x)[-1] if shape(x) else None
+    if not (isinstance(m["shape"], (list, tuple)) and len(m["shape"]) == 1 and d is not None and same(m["shape"][0], d)):
+        return None                # normalized over more than the last dimension
+    if m["mean"].meta.dtype != torch.float32 or m["rstd"].meta.dtype != torch.float32:
+        return None
+    for p in (w, bias):
+        if p is not None and not (isinstance(p, Value) and p.meta.dtype == torch.float32 and same(shape(p), [d])):
+            return None
+    if list(mask) != [True, w is not None, bias is not None] or any(not same(shape(t), shape(x)) for t in terms):
+        return None
+    if "g2" in m.bindings and m["g"].meta.dtype != torch.float32:
+        return None                # a half-type sum is rounded before the backward reads it: the graph's bits
+    gi, gw, gb, _low = b(kiln_ops.layer_norm_backward.default, terms[0], terms[1] if len(terms) > 1 else None, x,
+                         m["mean"], m["rstd"], w, bias, None)
+    return [(gi, gw, gb)[:len(m.root.outputs)]]
+
+
+for _pattern, _label in ((LN_BACKWARD_OF_SUM, "layer_norm_backward_of_sum"), (LN_BACKWARD_ALONE, "layer_norm_backward")):
+    fusion(KILN, _label, _pattern, build_layer_norm_backward, phase="training", priority=10 if _pattern is
+           LN_BACKWARD_OF_SUM else 5, doc="add + native_layer_norm_backward (+ the add after, + the bf16 cast of its "
+           "result) in a mixed-precision step on the CPU -> kiln.layer_norm_backward (one pass per row)")

@@ -608,3 +608,4 @@ int kiln_adamw_step(float *p, const void *g, int g_dt, float *m, float *v, int64
 #include "native_sweeps.c"
 #include "native_embedding.c"
 #include "native_lut.c"
+#include "native_norms.c"

@@ -146,6 +146,31 @@ int kiln_ce_backward(const void *x, int dt, int64_t xs, const int64_t *labels, i
  * thread's sums of its rows' gradients in fp32, before rounding (the bias's gradient: the caller adds the threads'
  * rows). Returns 2 when a label is outside [0, cols) and not `ignore` (that row NaN), 3 when a row buffer could not
  * be allocated. */
+/* row[j] = e[j] * inv in the row's dtype, for j in [lo, hi), each value also added to gb[j] when gb is given:
+ * one pass over the fp32 row buffer where scaling, summing and storing took three */
+static inline void scale_sum_store(void *row, int dt, const float *restrict e, float inv, float *restrict gb,
+                                   int64_t lo, int64_t hi) {
+    if (dt == F32) {
+        float *o = (float *)row;
+        if (gb) {
+#pragma omp simd
+            for (int64_t j = lo; j < hi; j++) { float p = e[j] * inv; gb[j] += p; o[j] = p; }
+        } else {
+#pragma omp simd
+            for (int64_t j = lo; j < hi; j++) o[j] = e[j] * inv;
+        }
+        return;
+    }
+    uint16_t *o = (uint16_t *)row;
+    if (gb) {
+#pragma omp simd
+        for (int64_t j = lo; j < hi; j++) { float p = e[j] * inv; gb[j] += p; o[j] = f_bf16(p); }
+    } else {
+#pragma omp simd
+        for (int64_t j = lo; j < hi; j++) o[j] = f_bf16(e[j] * inv);
+    }
+}
+
 int kiln_ce_grads(void *x, int dt, int64_t xs, const int64_t *labels, int64_t ignore, float *loss, float *lse,
                   int64_t rows, int64_t cols, const float *bias, float *bias_grad, int threads) {
     int bad = 0;
@@ -200,14 +225,16 @@ int kiln_ce_grads(void *x, int dt, int64_t xs, const int64_t *labels, int64_t ig
             load(&xy, elem(row, dt, y), dt, 1);
             loss[r] = (float)(l - ((double)xy + (bias ? (double)bias[y] : 0.0)));
             float inv = (float)(1.0 / sum);
-#pragma omp simd
-            for (int64_t j = 0; j < cols; j++) e[j] *= inv;
-            e[y] -= 1.0f;
-            if (gb) {
-#pragma omp simd
-                for (int64_t j = 0; j < cols; j++) gb[j] += e[j];
-            }
-            store(row, dt, e, cols);
+            /* the row's gradient p = e * inv (less 1 at the label), summed into the bias's gradient and
+             * written in the row's dtype in one pass; the label's element between the two halves, so each
+             * value is rounded as the three separate passes rounded it */
+            float py = e[y] * inv;
+            py -= 1.0f;
+            scale_sum_store(row, dt, e, inv, gb, 0, y);
+            if (gb) gb[y] += py;
+            if (dt == F32) ((float *)row)[y] = py;
+            else ((uint16_t *)row)[y] = f_bf16(py);
+            scale_sum_store(row, dt, e, inv, gb, y + 1, cols);
         }
         free(e);
     }

@@ -294,6 +294,80 @@ def _(grad_out, grad_sum, sum, weight, bias, mean, rstd):
             torch.empty_like(bias) if bias is not None else sum.new_empty((0,)))
 
 
+
+# ---- LayerNorm's backward between the residual stream's gradient sums ---------------------------
+@torch.library.custom_op("kiln::layer_norm_backward", mutates_args=())
+def layer_norm_backward_op(grad_out: Tensor, grad_out2: Optional[Tensor], input: Tensor, mean: Tensor, rstd: Tensor,
+                           weight: Optional[Tensor], bias: Optional[Tensor], grad_sum: Optional[Tensor] = None,
+                           low_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad_input, grad_weight, grad_bias, grad_input_low): `aten.native_layer_norm_backward` over the last
+    dimension of `grad_out` (+ `grad_out2`, added as aten.add adds them: the output gradient was a sum of two,
+    the residual stream's and its branch's), with `grad_sum` (the gradient reaching `input` through its other
+    uses) added to grad_input, and grad_input rounded to `low_dtype` as well where a cast of it was folded in
+    (else the fourth output is empty). grad_weight/grad_bias are empty without weight/bias. On the CPU one
+    native pass per row (native_norms.c); elsewhere, or for rows above native.ROW_MAX, ATen's ops."""
+    _check_layer_norm_backward(grad_out, grad_out2, input, mean, rstd, weight, grad_sum)
+    done = _ln_backward_native(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum, low_dtype)
+    if done is not None:
+        return done
+    acc = acc_dtype(input.dtype)                       # computed as the native pass computes: in fp32
+    g = (grad_out if grad_out2 is None else torch.add(grad_out, grad_out2)).to(acc)   # a bf16 gradient: exact
+    gi, gw, gb = aten.native_layer_norm_backward(g, input.to(acc), [input.shape[-1]], mean.to(acc), rstd.to(acc),
+                                                 weight, bias, [True, weight is not None, bias is not None])
+    if grad_sum is not None:
+        gi = torch.add(gi, grad_sum)
+    gi = gi.to(input.dtype).contiguous()
+    return (gi, gw if gw is not None else empty_like_absent(input), gb if gb is not None else empty_like_absent(input),
+            _low_copy(gi, low_dtype))
+
+
+def _check_layer_norm_backward(grad_out, grad_out2, input, mean, rstd, weight, grad_sum) -> None:
+    for name, t in (("grad_out", grad_out), ("grad_out2", grad_out2), ("grad_sum", grad_sum)):
+        if t is not None and t.shape != input.shape:
+            raise ValueError(f"layer_norm_backward: {name} {tuple(t.shape)} must have input's shape {tuple(input.shape)}")
+    if input.dim() == 0 or (weight is not None and weight.shape != input.shape[-1:]):
+        raise ValueError(f"layer_norm_backward normalizes input's last dimension: input {tuple(input.shape)}, "
+                         f"weight {None if weight is None else tuple(weight.shape)}")
+    if mean.numel() * max(input.shape[-1], 1) != input.numel() or rstd.numel() != mean.numel():
+        raise ValueError(f"layer_norm_backward: mean {tuple(mean.shape)} and rstd {tuple(rstd.shape)} need one "
+                         f"value per row of input {tuple(input.shape)}")
+
+
+def _ln_backward_native(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum, low_dtype):
+    """The four outputs by native_norms.c's pass, or None where it does not apply."""
+    d = input.shape[-1]
+    lib = native.usable(grad_out, grad_out2, input, weight, grad_sum)
+    if (lib is None or not 0 < d <= native.ROW_MAX or (low_dtype is not None and not native.supports(low_dtype))
+            or mean.dtype != torch.float32 or rstd.dtype != torch.float32
+            or (weight is not None and weight.dtype != torch.float32) or (bias is not None and bias.dtype != torch.float32)):
+        return None
+    g, x = grad_out.contiguous(), input.contiguous()
+    g2 = grad_out2.contiguous() if grad_out2 is not None else None
+    gs = grad_sum.contiguous() if grad_sum is not None else None
+    w, mu, k = (weight.contiguous() if weight is not None else None), mean.contiguous(), rstd.contiguous()
+    gi = torch.empty(input.shape, dtype=input.dtype)
+    low = torch.empty(input.shape, dtype=low_dtype) if low_dtype is not None else None
+    gw = torch.empty(d, dtype=torch.float32) if weight is not None else None
+    gb = torch.empty(d, dtype=torch.float32) if bias is not None else None
+    n = native.threads()
+    partial = torch.empty(2 * n * d, dtype=torch.float64) if gw is not None or gb is not None else None
+    native.check(lib.kiln_ln_backward(
+        g.data_ptr(), native.code(g), native.ptr(g2), native.code(g2) if g2 is not None else 0, x.data_ptr(),
+        native.code(x), mu.data_ptr(), k.data_ptr(), native.ptr(w), native.code(w) if w is not None else 0,
+        native.ptr(gs), native.code(gs) if gs is not None else 0, gi.data_ptr(), native.code(gi), native.ptr(low),
+        native.code(low) if low is not None else 0, native.ptr(gw), native.ptr(gb), native.ptr(partial),
+        input.numel() // d, d, n), "layer_norm_backward")
+    return (gi, gw if gw is not None else empty_like_absent(input), gb if gb is not None else empty_like_absent(input),
+            low if low is not None else empty_like_absent(gi))
+
+
+@layer_norm_backward_op.register_fake
+def _(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum=None, low_dtype=None):
+    _check_layer_norm_backward(grad_out, grad_out2, input, mean, rstd, weight, grad_sum)
+    low = input.new_empty(input.shape, dtype=low_dtype) if low_dtype is not None else input.new_empty((0,))
+    return (input.new_empty(input.shape), torch.empty_like(weight) if weight is not None else input.new_empty((0,)),
+            torch.empty_like(bias) if bias is not None else input.new_empty((0,)), low)
+
 # Dropout draws 16 random bits per element: 4 elements from one 64-bit draw, which is ~5x faster than
 # the float per element of bernoulli_ (measured: 9 vs 48 ms for 4M elements). The drop probability is
 # thereby rounded to a multiple of 1/65536 (flash-attention rounds to 1/256), and the scale uses the

@@ -54,6 +54,11 @@ defop(kiln_ops.add_rms_norm.default, vjp_add_rms_norm, Kind.NORM, F32, out_dtype
 _backward_op(kiln_ops.rms_norm_backward.default, Kind.NORM, F32, promotes=True, also_low=(0, 2),
              accumulates=(0, 1))   # grad_sum: added to grad_input in the same pass
 
+# LayerNorm's backward with the residual stream's gradient sums (the `kiln` dialect's training fusion puts it
+# in place of ATen's): reads a bf16 output gradient as it is, adds the input's other gradient in the same pass,
+# and writes the bf16 copy of its input gradient that the next matmul's backward reads
+_backward_op(kiln_ops.layer_norm_backward.default, Kind.NORM, F32, promotes=True, also_low=(0, 3),
+             accumulates=(0, 7))
 
 # ---- dropout + residual + LayerNorm -----------------------------------------------------------
 def vjp_dropout_add_layer_norm(b, n, g_out, g_sum, *_stats):

@@ -160,3 +160,61 @@ def test_dropout_add_layer_norm_saves_bool_mask():
     eager = refs.saved_bytes(lambda x, r, w, b: F.layer_norm(F.dropout(x, 0.1) + r, (128,), w, b), [x, r, w, b])
     n = 32 * 128
     assert fused <= n * 4 + n + 2 * 32 * 4 < eager      # the sum, the mask, mean and rstd
+
+
+# ---- LayerNorm's backward with the residual stream's gradient sums ------------------------------
+def _ln_backward_ref(g, g2, x, w, b, gsum):
+    """ATen's native_layer_norm_backward in float64 on the summed gradient, plus gsum: the reference."""
+    xd = x.double()
+    mean = xd.mean(-1, keepdim=True)
+    rstd = (xd.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+    gd = g.double() + (g2.double() if g2 is not None else 0)
+    gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
+        gd, xd, [x.shape[-1]], mean, rstd, None if w is None else w.double(), None if b is None else b.double(),
+        [True, w is not None, b is not None])
+    return gi + (gsum.double() if gsum is not None else 0), gw, gb
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("case", ["plain", "bf16-grad", "sum-of-two", "accumulate-low", "no-affine", "bf16-input"])
+def test_layer_norm_backward_matches_aten_in_float64(case, native, monkeypatch):
+    monkeypatch.setenv("KILN_NATIVE", native)
+    torch.manual_seed(0)
+    shape = (3, 37, 96)
+    x = torch.randn(shape) * 2 + 0.5
+    w, b = torch.rand(96) + 0.5, torch.randn(96)
+    g, g2, gsum, low = torch.randn(shape), None, None, None
+    if case == "bf16-grad":
+        g = g.bfloat16()
+    elif case == "sum-of-two":
+        g2 = torch.randn(shape).bfloat16()            # the branch's gradient, as autocast leaves it
+    elif case == "accumulate-low":
+        g2, gsum, low = torch.randn(shape), torch.randn(shape), torch.bfloat16
+    elif case == "no-affine":
+        w = b = None
+    elif case == "bf16-input":
+        x = x.bfloat16()
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x.float(), [96], w, b, 1e-5)
+    gi, gw, gb, gl = torch.ops.kiln.layer_norm_backward(g, g2, x, mean, rstd, w, b, gsum, low)
+    rgi, rgw, rgb = _ln_backward_ref(g, g2, x.float(), w, b, gsum)
+    tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-5
+    assert gi.dtype == x.dtype and gi.shape == x.shape
+    torch.testing.assert_close(gi.double(), rgi, rtol=tol, atol=tol * rgi.abs().max().item())
+    if w is None:
+        assert gw.numel() == gb.numel() == 0
+    else:
+        torch.testing.assert_close(gw.double(), rgw, rtol=1e-5, atol=1e-5 * rgw.abs().max().item())
+        torch.testing.assert_close(gb.double(), rgb, rtol=1e-5, atol=1e-5 * rgb.abs().max().item())
+    if low is None:
+        assert gl.numel() == 0
+    else:                                             # the cast folded in: gi's own value, rounded once
+        assert gl.dtype == low and torch.equal(gl, gi.to(low))
+
+
+def test_layer_norm_backward_rejects_mismatched_shapes():
+    x, g = torch.randn(4, 8), torch.randn(4, 8)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [8], None, None, 1e-5)
+    with pytest.raises(ValueError, match="grad_out2"):
+        torch.ops.kiln.layer_norm_backward(g, torch.randn(4, 1), x, mean, rstd, None, None)
+    with pytest.raises(ValueError, match="weight"):
+        torch.ops.kiln.layer_norm_backward(g, None, x, mean, rstd, torch.ones(4), None)

@@ -45,6 +45,13 @@ def samples():
                  (g, torch.randn_like(g), s, w.detach(), b.detach(), mean, rstd_ln), DETERMINISTIC),
                 (f"dal_backward-noaffine-{tag}", k.dropout_add_layer_norm_backward.default,
                  (g, None, s, None, None, mean, rstd_ln), DETERMINISTIC)]
+        out += [(f"ln_backward-{tag}", k.layer_norm_backward.default,
+                 (g, None, s, mean, rstd_ln, w.detach(), b.detach()), DETERMINISTIC),
+                (f"ln_backward-sums-low-{tag}", k.layer_norm_backward.default,
+                 (g, torch.randn_like(g), s, mean, rstd_ln, w.detach(), b.detach(), torch.randn_like(g),
+                  torch.float32), DETERMINISTIC),
+                (f"ln_backward-noaffine-{tag}", k.layer_norm_backward.default,
+                 (g, None, s, mean, rstd_ln, None, None), DETERMINISTIC)]
         gate, up = _r(4, 6, 10, dtype=dt), _r(4, 6, 10, dtype=dt)
         out += [(f"swiglu-{tag}", k.swiglu.default, (gate, up), DETERMINISTIC),
                 (f"swiglu_backward-{tag}", k.swiglu_backward.default,

@@ -190,3 +190,29 @@ def test_gpt2_steps_sum_their_tied_embedding_in_the_twin_bit_for_bit_as_with_the
         _g0, l0, p0 = train(False, amp)
         assert [n.op.name for n in g1.nodes].count("kiln.embedding_backward_acc") == 1, amp
         assert l1 == l0 and all(torch.equal(a, b) for a, b in zip(p1, p0)), amp
+
+
+# ---- LayerNorm's backward between the residual stream's sums (the `kiln` dialect's training fusion) ---------
+def test_gpt2_and_bert_bf16_steps_run_layer_norm_backward_as_one_kernel_and_train_like_eager():
+    """In bf16 steps every LayerNorm backward becomes kiln.layer_norm_backward: BERT's (post-LN) with the
+    residual stream's sum before it read as two inputs, GPT-2's (pre-LN) with the residual add after it taken
+    as its grad_sum; the casts of its result fold in, so no activation cast is left. fp32 steps keep ATen's op
+    (eager's bits), and so does a step without the `kiln` dialect. Both track eager as the ATen program does."""
+    from tests.models.reference import sgd_like_eager
+    for name in ("gpt2", "bert"):
+        for amp in (None, "bf16"):
+            step = sgd_like_eager(name, amp)
+            fused = [n for n in step.graph.nodes if n.op.name == "kiln.layer_norm_backward"]
+            aten_ln = count(step.graph, aten.native_layer_norm_backward.default)
+            if amp is None:
+                assert not fused and aten_ln > 0, name
+                continue
+            assert fused and aten_ln == 0, name
+            if name == "bert":      # post-LN: the residual stream's gradient plus the branch's, added inside
+                assert any(n.args[1] is not None for n in fused)
+            else:                   # pre-LN: the residual add after it is its grad_sum
+                assert any(n.args[7] is not None for n in fused)
+            assert any(n.kwargs.get("low_dtype") == torch.bfloat16 for n in fused)
+            assert all(n.impl.label == "kiln:layer_norm_backward" for n in fused)
+    step = sgd_like_eager("bert", "bf16", dialects=["aten", "attention"])
+    assert not [n for n in step.graph.nodes if n.op.name == "kiln.layer_norm_backward"]

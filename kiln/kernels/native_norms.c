@@ -1,0 +1,97 @@
+/* kiln_ln_backward: LayerNorm's backward over the last dimension in one pass per row, with the gradient sums
+ * a transformer's backward puts on either side of it.
+ *
+ * g = grad (+ grad2): the output gradient, or the sum of two (the residual stream's gradient and the branch's,
+ * which the graph added as aten.add does for a float32 result: both widened exactly, one fp32 add). Per row r,
+ * with x the input, w the weight (1 where absent), N = d:
+ *   ds = sum_j g w x, db = sum_j g w (in double);
+ *   a = rstd, b = (db mean - ds) a^3 / N, c = -b mean - db a / N;
+ *   gi = a g w + b x + c (+ gsum: the gradient reaching the input through its other uses, added in fp32)
+ * as ATen's CPU kernel writes it; gw_j = sum_r g (x - mean) rstd and gb_j = sum_r g (in double, per thread,
+ * then the threads in order). gi_low (optional): gi rounded to low_dt as well, from gi's own value.
+ *
+ * grad, grad2 (optional), x, gsum (optional): rows x d, dense, fp32 or bf16; mean, rstd: fp32 per row;
+ * w: d values or NULL; gi: rows x d (gi_dt); gw, gb: d fp32 values each, or NULL (not wanted); partial:
+ * threads x 2d doubles of scratch. Returns 0, or -1 for d above ROW_MAX. Compiled as part of native.c. */
+int kiln_ln_backward(const void *grad, int g_dt, const void *grad2, int g2_dt, const void *x, int x_dt,
+                     const float *mean, const float *rstd, const void *w, int w_dt, const void *gsum, int gsum_dt,
+                     void *gi, int gi_dt, void *gi_low, int low_dt, float *gw, float *gb, double *partial,
+                     int64_t rows, int64_t d, int threads) {
+    if (d > ROW_MAX || d <= 0) return -1;
+    float wbuf[ROW_MAX];
+    if (w) {
+        const float *wf = in_row(wbuf, w, w_dt, d);
+        if (wf != wbuf) memcpy(wbuf, wf, (size_t)d * sizeof(float));
+    } else {
+        for (int64_t j = 0; j < d; j++) wbuf[j] = 1.0f;
+    }
+    const float *wf = wbuf;
+    int sums = gw != NULL || gb != NULL;
+    if (sums) memset(partial, 0, sizeof(double) * 2 * (size_t)threads * (size_t)d);
+#pragma omp parallel num_threads(threads)
+    {
+        float g_b[ROW_MAX], x_b[ROW_MAX], t_b[ROW_MAX], o_b[ROW_MAX], gf[ROW_MAX];   /* t_b: grad2, then gsum */
+        int64_t lo, hi;
+        share(rows, &lo, &hi);
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        double *acc_w = partial + 2 * (size_t)me * (size_t)d, *acc_b = acc_w + d;
+        for (int64_t r = lo; r < hi; r++) {
+            const float *g1 = in_row(g_b, elem(grad, g_dt, r * d), g_dt, d);
+            const float *xr = in_row(x_b, elem(x, x_dt, r * d), x_dt, d);
+            if (grad2) {
+                const float *g2 = in_row(t_b, elem(grad2, g2_dt, r * d), g2_dt, d);
+#pragma omp simd
+                for (int64_t j = 0; j < d; j++) gf[j] = g1[j] + g2[j];
+            } else {
+                memcpy(gf, g1, (size_t)d * sizeof(float));
+            }
+            float m = mean[r], a = rstd[r];
+            double ds = 0.0, db = 0.0;
+#pragma omp simd reduction(+ : ds, db)
+            for (int64_t j = 0; j < d; j++) {
+                float gw_j = gf[j] * wf[j];
+                ds += (double)(gw_j * xr[j]);
+                db += (double)gw_j;
+            }
+            if (sums) {
+#pragma omp simd
+                for (int64_t j = 0; j < d; j++) {
+                    acc_w[j] += (double)(gf[j] * ((xr[j] - m) * a));
+                    acc_b[j] += (double)gf[j];
+                }
+            }
+            double a3 = (double)a * (double)a * (double)a;
+            float bc = (float)((db * (double)m - ds) * a3 / (double)d);
+            float cc = (float)(-(double)bc * (double)m - db * (double)a / (double)d);
+            float *t = out_row(o_b, elem_out(gi, gi_dt, r * d), gi_dt);
+            if (gsum) {
+                const float *h = in_row(t_b, elem(gsum, gsum_dt, r * d), gsum_dt, d);
+#pragma omp simd
+                for (int64_t j = 0; j < d; j++) t[j] = (a * gf[j] * wf[j] + bc * xr[j] + cc) + h[j];
+            } else {
+#pragma omp simd
+                for (int64_t j = 0; j < d; j++) t[j] = a * gf[j] * wf[j] + bc * xr[j] + cc;
+            }
+            out_done(elem_out(gi, gi_dt, r * d), gi_dt, t, d);
+            if (gi_low) {                 /* rounded from gi's value (a cast of gi, folded in) */
+                if (gi_dt != F32) load(o_b, elem(gi, gi_dt, r * d), gi_dt, d);
+                store(elem_out(gi_low, low_dt, r * d), low_dt, gi_dt == F32 ? t : o_b, d);
+            }
+        }
+    }
+    if (sums) {
+        for (int64_t j = 0; j < d; j++) {
+            double sw = 0.0, sb = 0.0;
+            for (int k = 0; k < threads; k++) {
+                sw += partial[2 * (size_t)k * (size_t)d + (size_t)j];
+                sb += partial[(2 * (size_t)k + 1) * (size_t)d + (size_t)j];
+            }
+            if (gw) gw[j] = (float)sw;
+            if (gb) gb[j] = (float)sb;
+        }
+    }
+    return 0;
+}
