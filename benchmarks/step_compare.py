@@ -185,8 +185,8 @@ def main() -> None:
             result[f"speedup{dtype or '-fp32'}"] = ratio
             print(f"eager{dtype}/kiln{dtype} median step time: {ratio:.3f}x")
     if args.split > 0:
-        from kiln.bench.split import profile_split, render
-        splits = {m: profile_split(lambda: modes[m]().item(), steps=args.split) for m in modes}
+        from kiln.bench.split import profile_modes, render
+        splits = profile_modes({m: (lambda m=m: modes[m]().item()) for m in modes}, rounds=args.split)
         result["split"] = splits
         print("\n" + render(splits))
     if args.json:

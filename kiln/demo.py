@@ -106,7 +106,7 @@ def _compare(step, peer_model, args, batch, settle: float = 60.0, warmup: int = 
     compiled), then profiled the same way: where each spends a step's time."""
     import sys
 
-    from kiln.bench.split import gaps, peer_step, profile_split, render
+    from kiln.bench.split import gaps, peer_step, profile_modes, render
     label = "torch.compile" if args.vs == "compile" else "eager"
     print(f"\nprofiling {label} beside Kiln" + (" (torch.compile compiles first: tens of seconds)"
                                                  if args.vs == "compile" else ""), file=sys.stderr, flush=True)
@@ -120,7 +120,7 @@ def _compare(step, peer_model, args, batch, settle: float = 60.0, warmup: int = 
         kiln_step()
     while step.pending_tuning() and time.perf_counter() < deadline:
         kiln_step()
-    results = {"kiln": profile_split(kiln_step), label: profile_split(peer)}
+    results = profile_modes({"kiln": kiln_step, label: peer})      # their steps interleaved
     print("\n" + render(results))
     print(gaps(results, "kiln", label))
 

@@ -56,7 +56,7 @@ def category(name: str, ancestors: Iterable[str]) -> str:
         return "attention"
     if name in _MATMUL:
         return "matmul"
-    if name == STEP_EVENT:
+    if is_step(name):
         return "untraced"
     if any(n.startswith(_FUSED) or "cpp_fused" in n for n in chain):
         return "fused"
@@ -65,10 +65,15 @@ def category(name: str, ancestors: Iterable[str]) -> str:
     return "other"
 
 
-def split_events(events, skip: int = 0) -> dict[str, float]:
+def is_step(name: str) -> bool:
+    """Whether a profiler event is a profiled step: STEP_EVENT, or STEP_EVENT:<mode> (`profile_modes`)."""
+    return name == STEP_EVENT or name.startswith(STEP_EVENT + ":")
+
+
+def split_events(events, skip: int = 0, step_event: str = STEP_EVENT) -> dict[str, float]:
     """Self seconds per category over profiler `events` (torch.autograd.profiler FunctionEvents), counting
-    only the events inside a STEP_EVENT (the step, not the profiler's own setup), less the first `skip` steps."""
-    steps = sorted((e for e in events if e.name == STEP_EVENT and e.cpu_parent is None), key=lambda e: e.time_range.start)
+    only the events inside a `step_event` (the step, not the profiler's own setup), less the first `skip` steps."""
+    steps = sorted((e for e in events if e.name == step_event and e.cpu_parent is None), key=lambda e: e.time_range.start)
     skipped = {id(e) for e in steps[:skip]}
     out = dict.fromkeys(CATEGORIES, 0.0)
     for e in events:
@@ -76,7 +81,7 @@ def split_events(events, skip: int = 0) -> dict[str, float]:
         while parent is not None:
             names.append(parent.name)
             top, parent = parent, parent.cpu_parent
-        if top.name != STEP_EVENT or id(top) in skipped:
+        if top.name != step_event or id(top) in skipped:
             continue
         out[category(e.name, names)] += e.self_cpu_time_total / 1e6
     return out
@@ -92,28 +97,43 @@ def profile_split(step: Callable[[], object], steps: int = 3, warmup: int = 2) -
     leave the heap's free memory in pieces, and the first profiled steps page-fault new memory inside whichever
     op allocates next (measured on the Llama bench model: 3-14 thousand faults a step, 30-90 ms, none in the
     steps timed without the profiler). Faults left after the warm-up are reported, not hidden."""
+    return profile_modes({"": step}, rounds=steps, warmup=warmup)[""]
+
+
+def profile_modes(steps: dict[str, Callable[[], object]], rounds: int = 3, warmup: int = 2) -> dict[str, dict]:
+    """`profile_split` for several modes in one profiler session, their steps interleaved: `warmup` + `rounds`
+    rounds, each running every mode's step once (the order rotating by one each round), so a machine that drifts
+    (clock, a neighbour's load) shifts every mode alike instead of whichever was profiled first. Measured on the
+    BERT bench model, profiling Kiln's steps and then torch.compile's had put a 2-4 % difference into the same
+    matmuls, against whichever mode went first. Returns mode -> profile_split's dict."""
     import statistics
     import time
 
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    if steps < 1:
-        raise ValueError(f"profile_split needs at least one step, got {steps}")
-    walls, faults = [], 0
+    if rounds < 1:
+        raise ValueError(f"profiling needs at least one step per mode, got {rounds}")
+    names = list(steps)
+    walls: dict[str, list[float]] = {m: [] for m in names}
+    faults = dict.fromkeys(names, 0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i in range(warmup + steps):
-            before = _faults()
-            t = time.perf_counter()
-            with record_function(STEP_EVENT):
-                step()
-            if i >= warmup:
-                walls.append(time.perf_counter() - t)
-                faults += _faults() - before
-    totals = split_events(prof.events(), skip=warmup)
-    per_step = {k: v / steps for k, v in totals.items()}
-    return {"per_step_s": per_step, "traced_s": sum(per_step.values()), "wall_s": statistics.median(walls),
-            "steps": steps, "faults_per_step": faults // steps}
+        for i in range(warmup + rounds):
+            for m in names[i % len(names):] + names[:i % len(names)]:
+                before = _faults()
+                t = time.perf_counter()
+                with record_function(f"{STEP_EVENT}:{m}" if m else STEP_EVENT):
+                    steps[m]()
+                if i >= warmup:
+                    walls[m].append(time.perf_counter() - t)
+                    faults[m] += _faults() - before
+    events = prof.events()
+    out = {}
+    for m in names:
+        totals = split_events(events, skip=warmup, step_event=f"{STEP_EVENT}:{m}" if m else STEP_EVENT)
+        per_step = {k: v / rounds for k, v in totals.items()}
+        out[m] = {"per_step_s": per_step, "traced_s": sum(per_step.values()), "wall_s": statistics.median(walls[m]),
+                  "steps": rounds, "faults_per_step": faults[m] // rounds}
+    return out
 
 
 def _faults() -> int:

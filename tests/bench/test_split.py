@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.bench.split import CATEGORIES, STEP_EVENT, category, profile_split, render, split_events
+from kiln.bench.split import CATEGORIES, STEP_EVENT, category, profile_modes, profile_split, render, split_events
 
 
 @pytest.mark.parametrize("name,ancestors,want", [
@@ -95,6 +95,27 @@ def test_the_first_profiled_steps_can_be_left_out():
     assert split_events(prof.events(), skip=1)["other"] > 0
     assert split_events(prof.events())["matmul"] > 0
 
+
+
+def test_modes_are_profiled_interleaved_and_each_split_counts_only_its_own_steps():
+    a, order = torch.randn(96, 96), []
+
+    def matmuls():
+        order.append("mm")
+        torch.mm(a, a)
+
+    def adds():
+        order.append("add")
+        a.add(1).add(2)
+    got = profile_modes({"mm": matmuls, "add": adds}, rounds=3, warmup=1)
+    assert order == ["mm", "add", "add", "mm", "mm", "add", "add", "mm"]    # the order rotates every round
+    mm_split = got["mm"]["per_step_s"]
+    assert mm_split["matmul"] > 10 * mm_split["other"]           # (mm's own allocation is "other")
+    assert got["add"]["per_step_s"]["matmul"] == 0 and got["add"]["per_step_s"]["other"] > 0
+    assert all(r["steps"] == 3 and r["wall_s"] > 0 for r in got.values())
+    assert category(f"{STEP_EVENT}:mm", []) == "untraced"
+    with pytest.raises(ValueError, match="at least one step"):
+        profile_modes({"mm": matmuls}, rounds=0)
 
 def test_a_kiln_steps_kernels_and_update_are_counted_in_their_categories_not_untraced():
     """Kiln's attention kernel, its kernels' native loops and the commit running the staged AdamW update are
