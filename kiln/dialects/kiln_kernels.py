@@ -200,16 +200,17 @@ fusion(KILN, "linear_cross_entropy", LINEAR_CE, build_linear_cross_entropy, prio
 # gets through its other uses added in the same pass (`accumulates`: kiln/passes/accumulate.py), and the bf16
 # copy the next matmul reads written beside it (`also_low`: kiln/passes/casts.py). ATen runs the add, the
 # backward and the cast as three passes (Inductor's region of them as several): one pass per row here. Only
-# where a gradient reaching it is a half type (autocast's): an fp32 step keeps eager's arithmetic bit for bit.
+# where a gradient reaching it is bf16 (autocast's): an fp32 step keeps eager's arithmetic bit for bit, and an fp16
+# one (which the native pass does not read) keeps ATen's ops and their regions.
 LN_BACKWARD = aten.native_layer_norm_backward.default
 _LN_REST = (T("x"), V("shape"), T("mean"), T("rstd"), V("w"), V("bias"), V("mask"))
 LN_BACKWARD_OF_SUM = Op(LN_BACKWARD, Op(aten.add.Tensor, T("g1"), T("g2"), Lit(1), name="g"), *_LN_REST)
 LN_BACKWARD_ALONE = Op(LN_BACKWARD, T("g1"), *_LN_REST)
-_HALF = (torch.bfloat16, torch.float16)
+_HALF = (torch.bfloat16,)
 
 
 def _half_gradient(v: Value) -> bool:
-    """A half-type gradient, or one widened from a half type (autocast's backward), seen through views."""
+    """A bf16 gradient, or one widened from bf16 (autocast's backward), seen through views."""
     while v.producer is not None and v.producer.target in VIEW and isinstance(v.producer.args[0], Value):
         v = v.producer.args[0]
     return v.meta.dtype in _HALF or (_is_cast(v) and v.producer.args[0].meta.dtype in _HALF)
