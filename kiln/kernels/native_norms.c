@@ -4,15 +4,18 @@
  * g = grad (+ grad2): the output gradient, or the sum of two (the residual stream's gradient and the branch's,
  * which the graph added as aten.add does for a float32 result: both widened exactly, one fp32 add). Per row r,
  * with x the input, w the weight (1 where absent), N = d:
- *   ds = sum_j g w x, db = sum_j g w (in double);
+ *   ds = sum_j g w x, db = sum_j g w (in fp32, as ATen sums them);
  *   a = rstd, b = (db mean - ds) a^3 / N, c = -b mean - db a / N;
  *   gi = a g w + b x + c (+ gsum: the gradient reaching the input through its other uses, added in fp32)
- * as ATen's CPU kernel writes it; gw_j = sum_r g (x - mean) rstd and gb_j = sum_r g (in double, per thread,
- * then the threads in order). gi_low (optional): gi rounded to low_dt as well, from gi's own value.
+ * as ATen's CPU kernel writes it; gw_j = sum_r g (x - mean) rstd and gb_j = sum_r g (fp32 over blocks of
+ * SUM_ROWS rows, the blocks added in double, per thread, then the threads in order). gi_low (optional): gi
+ * rounded to low_dt as well, from gi's own value. One sweep over each row's inputs for the sums and one for
+ * the output, the row in L1 between them.
  *
  * grad, grad2 (optional), x, gsum (optional): rows x d, dense, fp32 or bf16; mean, rstd: fp32 per row;
  * w: d values or NULL; gi: rows x d (gi_dt); gw, gb: d fp32 values each, or NULL (not wanted); partial:
- * threads x 2d doubles of scratch. Returns 0, or -1 for d above ROW_MAX. Compiled as part of native.c. */
+ * threads x 2d doubles of scratch. Returns 0, -1 for d above ROW_MAX, 3 when it cannot allocate its row
+ * buffers. Compiled as part of native.c. */
 int kiln_ln_backward(const void *grad, int g_dt, const void *grad2, int g2_dt, const void *x, int x_dt,
                      const float *mean, const float *rstd, const void *w, int w_dt, const void *gsum, int gsum_dt,
                      void *gi, int gi_dt, void *gi_low, int low_dt, float *gw, float *gb, double *partial,
@@ -28,9 +31,16 @@ int kiln_ln_backward(const void *grad, int g_dt, const void *grad2, int g2_dt, c
     const float *wf = wbuf;
     int sums = gw != NULL || gb != NULL;
     if (sums) memset(partial, 0, sizeof(double) * 2 * (size_t)threads * (size_t)d);
-#pragma omp parallel num_threads(threads)
+    int bad = 0;
+#pragma omp parallel num_threads(threads) reduction(| : bad)
     {
-        float g_b[ROW_MAX], x_b[ROW_MAX], t_b[ROW_MAX], o_b[ROW_MAX], gf[ROW_MAX];   /* t_b: grad2, then gsum */
+        /* rows of d floats: g_b, x_b (bf16 rows widened), t_b (grad2, then gsum), o_b (a bf16 output row), gf (the
+         * summed gradient), bw, bb (this thread's column sums over its current block of rows, fp32, added into
+         * its double totals at the block's end) */
+        float *buf = malloc(7 * (size_t)d * sizeof(float));
+        if (!buf) bad = 1;
+        float *g_b = buf, *x_b = buf + d, *t_b = buf + 2 * d, *o_b = buf + 3 * d, *gf = buf + 4 * d,
+              *bw = buf + 5 * d, *bb = buf + 6 * d;
         int64_t lo, hi;
         share(rows, &lo, &hi);
         int me = 0;
@@ -38,50 +48,67 @@ int kiln_ln_backward(const void *grad, int g_dt, const void *grad2, int g2_dt, c
         me = omp_get_thread_num();
 #endif
         double *acc_w = partial + 2 * (size_t)me * (size_t)d, *acc_b = acc_w + d;
-        for (int64_t r = lo; r < hi; r++) {
-            const float *g1 = in_row(g_b, elem(grad, g_dt, r * d), g_dt, d);
-            const float *xr = in_row(x_b, elem(x, x_dt, r * d), x_dt, d);
-            if (grad2) {
-                const float *g2 = in_row(t_b, elem(grad2, g2_dt, r * d), g2_dt, d);
-#pragma omp simd
-                for (int64_t j = 0; j < d; j++) gf[j] = g1[j] + g2[j];
-            } else {
-                memcpy(gf, g1, (size_t)d * sizeof(float));
+        for (int64_t r0 = lo; r0 < hi && buf; r0 += SUM_ROWS) {
+            int64_t r1 = hi - r0 < SUM_ROWS ? hi : r0 + SUM_ROWS;
+            if (sums) {
+                memset(bw, 0, (size_t)d * sizeof(float));
+                memset(bb, 0, (size_t)d * sizeof(float));
             }
-            float m = mean[r], a = rstd[r];
-            double ds = 0.0, db = 0.0;
+            for (int64_t r = r0; r < r1; r++) {
+                const float *gr = in_row(g_b, elem(grad, g_dt, r * d), g_dt, d);
+                const float *xr = in_row(x_b, elem(x, x_dt, r * d), x_dt, d);
+                if (grad2) {
+                    const float *g2 = in_row(t_b, elem(grad2, g2_dt, r * d), g2_dt, d);
+#pragma omp simd
+                    for (int64_t j = 0; j < d; j++) gf[j] = gr[j] + g2[j];
+                    gr = gf;
+                }
+                float m = mean[r], a = rstd[r], ds = 0.0f, db = 0.0f;
+                if (sums) {
 #pragma omp simd reduction(+ : ds, db)
-            for (int64_t j = 0; j < d; j++) {
-                float gw_j = gf[j] * wf[j];
-                ds += (double)(gw_j * xr[j]);
-                db += (double)gw_j;
+                    for (int64_t j = 0; j < d; j++) {
+                        float gw_j = gr[j] * wf[j];
+                        ds += gw_j * xr[j];
+                        db += gw_j;
+                        bw[j] += gr[j] * ((xr[j] - m) * a);
+                        bb[j] += gr[j];
+                    }
+                } else {
+#pragma omp simd reduction(+ : ds, db)
+                    for (int64_t j = 0; j < d; j++) {
+                        float gw_j = gr[j] * wf[j];
+                        ds += gw_j * xr[j];
+                        db += gw_j;
+                    }
+                }
+                float bc = (db * m - ds) * a * a * a / (float)d;
+                float cc = -bc * m - db * a / (float)d;
+                float *t = out_row(o_b, elem_out(gi, gi_dt, r * d), gi_dt);
+                if (gsum) {
+                    const float *h = in_row(t_b, elem(gsum, gsum_dt, r * d), gsum_dt, d);
+#pragma omp simd
+                    for (int64_t j = 0; j < d; j++) t[j] = (a * gr[j] * wf[j] + bc * xr[j] + cc) + h[j];
+                } else {
+#pragma omp simd
+                    for (int64_t j = 0; j < d; j++) t[j] = a * gr[j] * wf[j] + bc * xr[j] + cc;
+                }
+                out_done(elem_out(gi, gi_dt, r * d), gi_dt, t, d);
+                if (gi_low) {             /* rounded from gi's value (a cast of gi, folded in) */
+                    if (gi_dt != F32) load(o_b, elem(gi, gi_dt, r * d), gi_dt, d);
+                    store(elem_out(gi_low, low_dt, r * d), low_dt, gi_dt == F32 ? t : o_b, d);
+                }
             }
             if (sums) {
 #pragma omp simd
                 for (int64_t j = 0; j < d; j++) {
-                    acc_w[j] += (double)(gf[j] * ((xr[j] - m) * a));
-                    acc_b[j] += (double)gf[j];
+                    acc_w[j] += (double)bw[j];
+                    acc_b[j] += (double)bb[j];
                 }
             }
-            double a3 = (double)a * (double)a * (double)a;
-            float bc = (float)((db * (double)m - ds) * a3 / (double)d);
-            float cc = (float)(-(double)bc * (double)m - db * (double)a / (double)d);
-            float *t = out_row(o_b, elem_out(gi, gi_dt, r * d), gi_dt);
-            if (gsum) {
-                const float *h = in_row(t_b, elem(gsum, gsum_dt, r * d), gsum_dt, d);
-#pragma omp simd
-                for (int64_t j = 0; j < d; j++) t[j] = (a * gf[j] * wf[j] + bc * xr[j] + cc) + h[j];
-            } else {
-#pragma omp simd
-                for (int64_t j = 0; j < d; j++) t[j] = a * gf[j] * wf[j] + bc * xr[j] + cc;
-            }
-            out_done(elem_out(gi, gi_dt, r * d), gi_dt, t, d);
-            if (gi_low) {                 /* rounded from gi's value (a cast of gi, folded in) */
-                if (gi_dt != F32) load(o_b, elem(gi, gi_dt, r * d), gi_dt, d);
-                store(elem_out(gi_low, low_dt, r * d), low_dt, gi_dt == F32 ? t : o_b, d);
-            }
         }
+        free(buf);
     }
+    if (bad) return 3;
     if (sums) {
         for (int64_t j = 0; j < d; j++) {
             double sw = 0.0, sb = 0.0;
