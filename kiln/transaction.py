@@ -52,10 +52,8 @@ COMMIT_EVENT = "kiln.kernel:optimizer:commit"    # a profiled commit (kiln/bench
 def _profiled():
     """One torch.profiler event around the commit while a profiler records (the update kernels' work, staged
     by the optimizer ops, runs here); nothing otherwise."""
-    import torch
-    if torch.autograd._profiler_enabled():
-        return torch.profiler.record_function(COMMIT_EVENT)
-    return contextlib.nullcontext()
+    from kiln import profiling
+    return profiling.event(COMMIT_EVENT) if profiling.recording() else contextlib.nullcontext()
 
 
 def stage(fn: Callable, *args: Any, **kwargs: Any) -> None:

@@ -153,7 +153,6 @@ def _profiled(impl: Impl, fn: Callable | None) -> Callable | None:
     profiler records: work a kernel does outside ATen's ops (native loops, Kiln's own optimizer) is then
     counted as that op's, not as untraced time. ATen's own ops are seen by the profiler already. A check of a
     flag per call otherwise."""
-    import torch
     from torch._ops import OpOverload, OpOverloadPacket
 
     if fn is None or isinstance(fn, (OpOverload, OpOverloadPacket)):
@@ -162,11 +161,11 @@ def _profiled(impl: Impl, fn: Callable | None) -> Callable | None:
     op = find(impl.target)
     what = f"{op.kind.value}:{op.name}" if op is not None else str(getattr(impl.target, "__name__", impl.target))
     event = f"{PROFILE_EVENT}:{what} ({impl.dialect.name}{':' + impl.name if impl.name else ''})"
-    profiling = torch.autograd._profiler_enabled
+    from kiln import profiling
 
     def run(*args, **kwargs):
-        if profiling():
-            with torch.profiler.record_function(event):
+        if profiling.recording():
+            with profiling.event(event):
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
 

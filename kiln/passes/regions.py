@@ -44,6 +44,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._pytree import tree_leaves
 
+from kiln import profiling
 from kiln.dialects import registry
 from kiln.ir import symbolic
 from kiln.ir.graph import Fused, Graph, Node, Value
@@ -90,8 +91,8 @@ class Region:
         return self.name
 
     def __call__(self, *args):
-        if torch.autograd._profiler_enabled():        # a profiled step sees the region as one event
-            with torch.profiler.record_function(f"kiln.region:{self.name}"):
+        if profiling.recording():                     # a profiled step sees the region as one event
+            with profiling.event(f"kiln.region:{self.name}"):
                 return self._run(args)
         return self._run(args)
 
