@@ -1,7 +1,7 @@
 """The `attention` dialect: attention's forward and backward by measurement, per shape, on CPU.
 
 ATen's CPU flash-attention kernels are one of several ways to compute attention, and which is fastest depends
-on the dtype, the shape and the CPU (the Xeon of docs/bf16.md, bf16, B8 H8 T256 d64: flash takes 7.6 ms
+on the dtype, the shape and the CPU (the Xeon of docs/bf16-history.md, bf16, B8 H8 T256 d64: flash takes 7.6 ms
 forward and 16.2 backward, the products below 3.3 and 5.7; at 1024 tokens flash is the fastest). This dialect,
 ranked just before `sdpa`, offers measured alternatives; the step's tuner times each against ATen's kernel on
 the node's shapes once per machine and keeps it only where it is faster (`kiln.dialects.measure`), in this

@@ -19,7 +19,7 @@ the pair products run, `kiln_attn_forward_bf16` and `kiln_attn_backward_bf16` do
 and 8 queries, keeping even a group's scores out of memory, write ATen's flash layouts, and take a mask that
 hides each query's later keys (what exported models pass instead of is_causal) as causal (`_causal`).
 
-Where it pays is a matter of shape and machine (docs/bf16.md): the products are quadratic in the sequence and
+Where it pays is a matter of shape and machine (docs/bf16-history.md): the products are quadratic in the sequence and
 the flash kernels are not, so at long sequences flash wins. The `attention` dialect (kiln/dialects/attention.py)
 offers both as measured alternatives, so each runs only where the step's tuner measures it faster on the node's
 shapes.
