@@ -96,6 +96,15 @@ static inline void out_done(void *dst, int dt, const float *buf, int64_t n) {
     if (dt != F32) store(dst, dt, buf, n);
 }
 
+/* this thread's index in its parallel region (0 without OpenMP) */
+static inline int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 /* this thread's share [lo, hi) of n items (contiguous, fixed by the thread count) */
 static inline void share(int64_t n, int64_t *lo, int64_t *hi) {
     int64_t me = 0, all = 1;
@@ -186,11 +195,7 @@ int kiln_rms_backward(const void *g, int g_dt, const void *gsum, int gsum_dt, co
         float gb[ROW_MAX], sb[ROW_MAX], hb[ROW_MAX], ob[ROW_MAX];
         int64_t lo, hi;
         share(rows, &lo, &hi);
-        int me = 0;
-#ifdef _OPENMP
-        me = omp_get_thread_num();
-#endif
-        double *acc_w = partial + (size_t)me * (size_t)d;
+        double *acc_w = partial + (size_t)thread_index() * (size_t)d;
         for (int64_t r = lo; r < hi; r++) {
             const float *gr = in_row(gb, elem(g, g_dt, r * d), g_dt, d);
             const float *sr = in_row(sb, elem(s_in, s_dt, r * d), s_dt, d);
