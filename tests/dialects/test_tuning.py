@@ -339,3 +339,32 @@ def test_inductor_is_readied_beside_the_capture_only_where_the_cache_has_regions
     started[0].join(10)
     assert calls == [1]
     assert compile_step() == started and calls == [1]               # once per process
+
+
+def test_a_wrapper_is_loaded_without_the_extern_kernels_import_it_does_not_use():
+    src = ("import torch\nfrom torch._inductor.select_algorithm import extern_kernels\n"
+           "def call(args):\n    return [a + 1 for a in args]\n")
+    assert "select_algorithm" not in inductor._lean(src) and "def call" in inductor._lean(src)
+    uses = src + "mm = extern_kernels.mm\n"            # a wrapper that calls one keeps the import
+    assert inductor._lean(uses) == uses
+    assert inductor._load_kernel(src)([torch.ones(2)])[0].tolist() == [2.0, 2.0]
+
+
+@pytest.mark.inductor
+def test_a_compiled_regions_wrapper_runs_without_the_extern_kernels_import(monkeypatch, tmp_path):
+    """Inductor's wrapper for a region imports `extern_kernels` and uses none; loaded without the import, the
+    step computes what the region's ATen ops compute."""
+    from kiln.runtime.codegen import generate
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_TUNING", "ahead")
+    monkeypatch.setenv("KILN_KEEP", "all")
+    monkeypatch.setattr(inductor, "_modules", {})
+    g, tensors = _layer_norm_chain()
+    want = _eager(g, tensors)
+    (region,) = fuse_regions(g, ("inductor", "aten"))
+    assert region.compiled is not None
+    (mod,) = inductor._modules.values()
+    source = "".join(__import__("linecache").cache[f"<{mod.__name__}>"][2])
+    assert "extern_kernels" not in source and not hasattr(mod, "extern_kernels")
+    for got, exp in zip(generate(g, return_all=True)[1](*tensors), want):
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
