@@ -43,7 +43,8 @@ int kiln_ln_backward(const void *grad, int g_dt, const void *grad2, int g2_dt, c
               *bw = buf + 5 * d, *bb = buf + 6 * d;
         int64_t lo, hi;
         share(rows, &lo, &hi);
-        double *acc_w = partial + 2 * (size_t)thread_index() * (size_t)d, *acc_b = acc_w + d;
+        double *acc_w = sums ? partial + 2 * (size_t)thread_index() * (size_t)d : NULL;   /* partial is NULL */
+        double *acc_b = sums ? acc_w + d : NULL;                                           /* without sums */
         for (int64_t r0 = lo; r0 < hi && buf; r0 += SUM_ROWS) {
             int64_t r1 = hi - r0 < SUM_ROWS ? hi : r0 + SUM_ROWS;
             if (sums) {
