@@ -20,6 +20,5 @@ def event(name: str):
     return _FAST(name) if _FAST is not None else torch.profiler.record_function(name)
 
 
-def recording() -> bool:
-    """Whether a profiler records now (a flag check, cheap enough for every kernel call)."""
-    return torch.autograd._profiler_enabled()
+# whether a profiler records now: torch's flag itself (called on every kernel call, so no wrapper around it)
+recording = torch.autograd._profiler_enabled

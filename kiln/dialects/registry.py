@@ -161,11 +161,11 @@ def _profiled(impl: Impl, fn: Callable | None) -> Callable | None:
     op = find(impl.target)
     what = f"{op.kind.value}:{op.name}" if op is not None else str(getattr(impl.target, "__name__", impl.target))
     event = f"{PROFILE_EVENT}:{what} ({impl.dialect.name}{':' + impl.name if impl.name else ''})"
-    from kiln import profiling
+    from kiln.profiling import event as profiler_event, recording
 
     def run(*args, **kwargs):
-        if profiling.recording():
-            with profiling.event(event):
+        if recording():
+            with profiler_event(event):
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
 

@@ -138,14 +138,6 @@ int kiln_ce_backward(const void *x, int dt, int64_t xs, const int64_t *labels, i
     return 0;
 }
 
-/* kiln_ce_forward and kiln_ce_backward (scale 1) in one call, the gradient written over x: per row its max, then
- * e = exp(x - max) into a row buffer (fp32) with its sum, lse and the loss, then e / sum - onehot; one exp per
- * logit instead of two and the row read twice instead of three times. e / sum is as accurate as exp(x - lse)
- * (more, where lse is large: x - lse rounds). bias (fp32, cols; or NULL) is added to each row as it is read (a
- * decoder's bias: the logits x + bias, in fp32), and bias_grad (threads x cols fp32 zeros; or NULL) receives each
- * thread's sums of its rows' gradients in fp32, before rounding (the bias's gradient: the caller adds the threads'
- * rows). Returns 2 when a label is outside [0, cols) and not `ignore` (that row NaN), 3 when a row buffer could not
- * be allocated. */
 /* row[j] = e[j] * inv in the row's dtype, for j in [lo, hi), each value also added to gb[j] when gb is given:
  * one pass over the fp32 row buffer where scaling, summing and storing took three */
 static inline void scale_sum_store(void *row, int dt, const float *restrict e, float inv, float *restrict gb,
@@ -171,6 +163,14 @@ static inline void scale_sum_store(void *row, int dt, const float *restrict e, f
     }
 }
 
+/* kiln_ce_forward and kiln_ce_backward (scale 1) in one call, the gradient written over x: per row its max, then
+ * e = exp(x - max) into a row buffer (fp32) with its sum, lse and the loss, then e / sum - onehot; one exp per
+ * logit instead of two and the row read twice instead of three times. e / sum is as accurate as exp(x - lse)
+ * (more, where lse is large: x - lse rounds). bias (fp32, cols; or NULL) is added to each row as it is read (a
+ * decoder's bias: the logits x + bias, in fp32), and bias_grad (threads x cols fp32 zeros; or NULL) receives each
+ * thread's sums of its rows' gradients in fp32, before rounding (the bias's gradient: the caller adds the threads'
+ * rows). Returns 2 when a label is outside [0, cols) and not `ignore` (that row NaN), 3 when a row buffer could not
+ * be allocated. */
 int kiln_ce_grads(void *x, int dt, int64_t xs, const int64_t *labels, int64_t ignore, float *loss, float *lse,
                   int64_t rows, int64_t cols, const float *bias, float *bias_grad, int threads) {
     int bad = 0;

@@ -22,12 +22,10 @@ int kiln_ln_backward(const void *grad, int g_dt, const void *grad2, int g2_dt, c
                      int64_t rows, int64_t d, int threads) {
     if (d > ROW_MAX || d <= 0) return -1;
     float wbuf[ROW_MAX];
-    if (w) {
-        const float *wf = in_row(wbuf, w, w_dt, d);
-        if (wf != wbuf) memcpy(wbuf, wf, (size_t)d * sizeof(float));
-    } else {
+    if (w)
+        load(wbuf, w, w_dt, d);
+    else
         for (int64_t j = 0; j < d; j++) wbuf[j] = 1.0f;
-    }
     const float *wf = wbuf;
     int sums = gw != NULL || gb != NULL;
     if (sums) memset(partial, 0, sizeof(double) * 2 * (size_t)threads * (size_t)d);

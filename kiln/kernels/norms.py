@@ -294,7 +294,6 @@ def _(grad_out, grad_sum, sum, weight, bias, mean, rstd):
             torch.empty_like(bias) if bias is not None else sum.new_empty((0,)))
 
 
-
 # ---- LayerNorm's backward between the residual stream's gradient sums ---------------------------
 @torch.library.custom_op("kiln::layer_norm_backward", mutates_args=())
 def layer_norm_backward_op(grad_out: Tensor, grad_out2: Optional[Tensor], input: Tensor, mean: Tensor, rstd: Tensor,
