@@ -22,7 +22,8 @@ import torch
 from kiln.dialects.registry import dialect, kernel
 from kiln.dialects.sdpa import flash_backward
 from kiln.dialects.upcast import upcast_kernel
-from kiln.kernels.attention import backward_from_probs, flash_backward_math, flash_forward_math, forward_keeping_probs
+from kiln.kernels.attention import (backward_from_probs, backward_packed, flash_backward_math, flash_forward_math,
+                                    forward_keeping_probs)
 
 aten = torch.ops.aten
 FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -58,3 +59,5 @@ kernel(ATTENTION, BACKWARD, flash_backward_math, checker=_backward_ok, priority=
 # the pair that keeps the forward's probabilities for the backward (kiln/passes/keep_probs.py places it)
 kernel(ATTENTION, forward_keeping_probs, forward_keeping_probs, name="keep_probs")
 kernel(ATTENTION, backward_from_probs, backward_from_probs, name="from_probs")
+# ... with its gradients written into the joined q/k/v projection's concatenation (kiln/passes/keep_probs.py)
+kernel(ATTENTION, backward_packed, backward_packed, name="packed")

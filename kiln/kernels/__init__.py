@@ -33,6 +33,7 @@ _k = torch.ops.kiln
 OPS = {name: getattr(_k, name).default for name in (
     "rms_norm", "add_rms_norm", "rms_norm_backward",
     "dropout_add_layer_norm", "dropout_add_layer_norm_backward", "layer_norm_backward",
+    "layer_norm_backward_sums",
     "swiglu", "swiglu_backward", "swiglu_linear", "swiglu_linear_backward",
     "linear_gelu", "linear_gelu_backward",
     "rope", "rope_backward",

@@ -208,15 +208,18 @@ def _forward_bf16(lib, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_
 
 def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
                         dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Tensor | None = None,
-                        scale: float | None = None, probs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                        scale: float | None = None, probs: Tensor | None = None,
+                        grads: tuple | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """`probs`: what `forward_keeping_probs` kept, read by the one-pass bf16 backward where it has the layout
-    `probs_shape` gives (else, an empty tensor among them, not read: the probabilities are computed again)."""
+    `probs_shape` gives (else, an empty tensor among them, not read: the probabilities are computed again).
+    `grads`: three tensors of q's, k's and v's shapes and dtypes (any layout with a dense last dimension) the
+    gradients are written into and returned as (the one-pass kernel writes them there; other paths copy)."""
     rep = _kv_heads(q, k, v)
     if rep > 1:                     # per query head, then each key/value head's gradients summed over its queries'
         dq, dk, dv = flash_backward_math(grad_out, q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), out,
                                          logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale,
                                          probs=probs)
-        return dq, dk.unflatten(1, (k.shape[1], rep)).sum(2), dv.unflatten(1, (v.shape[1], rep)).sum(2)
+        return _into((dq, dk.unflatten(1, (k.shape[1], rep)).sum(2), dv.unflatten(1, (v.shape[1], rep)).sum(2)), grads)
     scale, mask, lib = _setup("flash_backward_math", q, k, dropout_p, is_causal, attn_mask, scale, v, grad_out,
                               out)
     t, s = q.shape[2], k.shape[2]
@@ -226,7 +229,7 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
         kept = probs is not None and probs.dtype == torch.bfloat16 and probs.is_contiguous() and \
             tuple(probs.shape) == probs_shape(q.shape, k.shape)
         return _backward_bf16(fused, grad_out, q, k, v, out, logsumexp, None if is_causal else mask,
-                              _causal(fused, mask, is_causal), scale, probs if kept else None)
+                              _causal(fused, mask, is_causal), scale, probs if kept else None, grads)
     dq = torch.empty(q.shape, dtype=q.dtype)            # dense: each head group's slice is written in place
     dk, dv = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
     lse = logsumexp.float()
@@ -262,12 +265,21 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
         else:
             torch.bmm(ds, kg, out=dq[sl])
         _transposed_products(ds, qg, dk[sl], is_causal)
-    return dq, dk, dv
+    return _into((dq, dk, dv), grads)
+
+
+def _into(computed: tuple, grads: tuple | None) -> tuple:
+    """`computed` copied into `grads` (and those returned), or `computed` itself without them."""
+    if grads is None:
+        return computed
+    for g, c in zip(grads, computed):
+        g.copy_(c)
+    return tuple(grads)
 
 
 def _backward_bf16(lib, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
-                   mask: Tensor | None, is_causal: bool, scale: float,
-                   probs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   mask: Tensor | None, is_causal: bool, scale: float, probs: Tensor | None = None,
+                   grads: tuple | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The bf16 backward as one native pass (`kiln_attn_backward_bf16`), a head per thread (so at least as many
     heads as threads): for 8 queries at a time rowsum(dO * O), the scores, probabilities and their gradients in
     cache, dQ rounded once per tile, dK and dV summed in fp32 per head and rounded once at its end. With the
@@ -276,7 +288,12 @@ def _backward_bf16(lib, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     grad_out, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (grad_out, q, k, v, out))
     b, h, t, d = q.shape
     s, dv = k.shape[2], v.shape[3]
-    dq, dk, dvv = (torch.empty_like(x) for x in (q, k, v))             # their layouts, as ATen's flash backward
+    if grads is None or any(g.stride(-1) != 1 for g in grads):
+        dq, dk, dvv = (torch.empty_like(x) for x in (q, k, v))         # their layouts, as ATen's flash backward
+        if grads is not None:
+            return _into(_backward_bf16(lib, grad_out, q, k, v, out, logsumexp, mask, is_causal, scale, probs), grads)
+    else:
+        dq, dk, dvv = grads
     grads = (ctypes.c_int64 * 9)(*dq.stride()[:3], *dk.stride()[:3], *dvv.stride()[:3])
     lse = logsumexp.float().contiguous()
     native.check(lib.kiln_attn_backward_bf16(
@@ -324,6 +341,31 @@ def backward_from_probs(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     read: the backward computes them, as `flash_backward_math`."""
     return flash_backward_math(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask,
                                scale=scale, probs=probs)
+
+
+def backward_packed(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
+                    probs: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Tensor | None = None,
+                    scale: float | None = None, order: tuple = (0, 1, 2)) -> tuple[Tensor]:
+    """(packed,): `backward_from_probs`'s three gradients in one (batch, tokens, sum of heads x head size) tensor, each
+    transposed to (batch, tokens, heads x head size) and placed along the last dimension in `order` (indices into
+    (dq, dk, dv)): the concatenation a model that splits one joined q/k/v projection (GPT-2's `c_attn`) makes
+    for that projection's backward, `cat([g.transpose(1, 2).reshape(b, t, -1) for g in ...], -1)`. The one-pass
+    bf16 kernel writes each gradient into its columns directly (the same values; no (b, heads, t, d) gradients
+    and no concatenation: GPT-2 bench model, 0.45 ms a layer); other paths compute them and copy them in.
+    kiln/passes/keep_probs.py puts it in place of the backward and the concatenation."""
+    b, t = q.shape[0], q.shape[2]
+    parts = (q, k, v)
+    widths = [parts[i].shape[1] * parts[i].shape[3] for i in order]
+    packed = torch.empty(b, t, sum(widths), dtype=q.dtype)
+    grads: list = [None, None, None]
+    col = 0
+    for i, w in zip(order, widths):
+        x = parts[i]
+        grads[i] = packed[:, :, col:col + w].view(b, t, x.shape[1], x.shape[3]).transpose(1, 2)
+        col += w
+    flash_backward_math(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale,
+                        probs=probs, grads=tuple(grads))
+    return (packed,)
 
 
 def _transposed_products(a: Tensor, b: Tensor, out: Tensor, is_causal: bool) -> None:

@@ -117,11 +117,8 @@ static inline void share(int64_t n, int64_t *lo, int64_t *hi) {
 }
 
 /* ---- exp with plain arithmetic (vectorizes; within 2 ulp of expf over the range that matters) ---- */
-static inline float exp_approx(float x) {
-    float c = x < -87.3f ? -87.3f : x;         /* 2^n stays a normal number (fminf/fmaxf would not vectorize) */
-    c = c > 88.3f ? 88.3f : c;
-    x = x != x ? x : c;                        /* NaN stays NaN; said outright, gcc turns the clamps into */
-                                               /* min/max and the loops vectorize on AVX2 too */
+/* exp(x) for x in [-87.3, 88.3] (2^n stays a normal number) */
+static inline float exp_in_range(float x) {
     /* n = round(x / ln 2) by the 1.5 * 2^23 trick (floorf would keep the loop from vectorizing) */
     float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = fmaf(n, -0.693359375f, x);      /* ln 2 split in two: r = x - n ln2, exact high part */
@@ -137,6 +134,14 @@ static inline float exp_approx(float x) {
     float scale;
     memcpy(&scale, &e, 4);
     return p * scale;
+}
+
+static inline float exp_approx(float x) {
+    float c = x < -87.3f ? -87.3f : x;         /* fminf/fmaxf would not vectorize */
+    c = c > 88.3f ? 88.3f : c;
+    x = x != x ? x : c;                        /* NaN stays NaN; said outright, gcc turns the clamps into */
+                                               /* min/max and the loops vectorize on AVX2 too */
+    return exp_in_range(x);
 }
 
 /* ---- RMSNorm ---------------------------------------------------------------------------------------

@@ -44,9 +44,9 @@ ROW_MAX = 8192                     # native.c's row buffers; longer rows run the
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 # the kernels (torch.ops.kiln.<name>) whose CPU implementation calls these loops
-OPS = ("rms_norm", "add_rms_norm", "rms_norm_backward", "layer_norm_backward", "rope", "rope_backward", "swiglu",
-       "swiglu_backward", "swiglu_linear", "swiglu_linear_backward", "softmax_cross_entropy",
-       "softmax_cross_entropy_backward")
+OPS = ("rms_norm", "add_rms_norm", "rms_norm_backward", "layer_norm_backward", "layer_norm_backward_sums", "rope",
+       "rope_backward", "swiglu", "swiglu_backward", "swiglu_linear", "swiglu_linear_backward",
+       "softmax_cross_entropy", "softmax_cross_entropy_backward")
 
 _i64, _int, _dbl, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
 _i64s = ctypes.POINTER(ctypes.c_int64)      # an array of strides
@@ -57,7 +57,7 @@ _SIGNATURES = {
     "kiln_rms_backward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr, _int,
                           _ptr, _i64, _i64, _int],
     "kiln_ln_backward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _int, _ptr, _int, _ptr,
-                         _int, _ptr, _ptr, _ptr, _i64, _i64, _int],
+                         _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _int],
     "kiln_rope": [_ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int, _int],
     "kiln_adamw_param": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _dbl, _dbl, _dbl, _dbl, _dbl, _dbl, _dbl, _int],
     "kiln_adamw_moments": [_ptr, _ptr, _ptr, _i64, _dbl, _dbl, _int],

@@ -305,8 +305,27 @@ def layer_norm_backward_op(grad_out: Tensor, grad_out2: Optional[Tensor], input:
     uses) added to grad_input, and grad_input rounded to `low_dtype` as well where a cast of it was folded in
     (else the fourth output is empty). grad_weight/grad_bias are empty without weight/bias. On the CPU one
     native pass per row (native_norms.c); elsewhere, or for rows above native.ROW_MAX, ATen's ops."""
+    return _layer_norm_backward(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum, low_dtype)
+
+
+@torch.library.custom_op("kiln::layer_norm_backward_sums", mutates_args=())
+def layer_norm_backward_sums_op(grad_out: Tensor, grad_out2: Optional[Tensor], input: Tensor, mean: Tensor,
+                                rstd: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                                grad_sum: Optional[Tensor] = None, low_dtype: Optional[torch.dtype] = None
+                                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`layer_norm_backward`'s four outputs and the sum of grad_input_low over every dimension but the last, in
+    low_dtype (which must be given): the gradient of the bias of the linear layer whose output gradient
+    grad_input_low is, which the graph sums in a pass of its own (kiln/passes/accumulate.py `fold_column_sums`
+    folds it here). The native pass sums the rounded values in fp32 blocks added in double, as it sums
+    grad_weight; ATen's ops sum them in fp32."""
+    if low_dtype is None:
+        raise ValueError("layer_norm_backward_sums sums grad_input's low-precision copy: give low_dtype")
+    return _layer_norm_backward(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum, low_dtype, True)
+
+
+def _layer_norm_backward(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum, low_dtype, low_sums=False):
     _check_layer_norm_backward(grad_out, grad_out2, input, mean, rstd, weight, grad_sum)
-    done = _ln_backward_native(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum, low_dtype)
+    done = _ln_backward_native(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum, low_dtype, low_sums)
     if done is not None:
         return done
     acc = acc_dtype(input.dtype)                       # computed as the native pass computes: in fp32
@@ -316,8 +335,12 @@ def layer_norm_backward_op(grad_out: Tensor, grad_out2: Optional[Tensor], input:
     if grad_sum is not None:
         gi = torch.add(gi, grad_sum)
     gi = gi.to(input.dtype).contiguous()
-    return (gi, gw if gw is not None else empty_like_absent(input), gb if gb is not None else empty_like_absent(input),
-            _low_copy(gi, low_dtype))
+    low = _low_copy(gi, low_dtype)
+    out = (gi, gw if gw is not None else empty_like_absent(input), gb if gb is not None else empty_like_absent(input),
+           low)
+    if low_sums:
+        out += (low.float().sum(tuple(range(low.dim() - 1))).to(low_dtype),)
+    return out
 
 
 def _check_layer_norm_backward(grad_out, grad_out2, input, mean, rstd, weight, grad_sum) -> None:
@@ -332,8 +355,8 @@ def _check_layer_norm_backward(grad_out, grad_out2, input, mean, rstd, weight, g
                          f"value per row of input {tuple(input.shape)}")
 
 
-def _ln_backward_native(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum, low_dtype):
-    """The four outputs by native_norms.c's pass, or None where it does not apply."""
+def _ln_backward_native(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum, low_dtype, low_sums=False):
+    """The four outputs (five with `low_sums`) by native_norms.c's pass, or None where it does not apply."""
     d = input.shape[-1]
     lib = native.usable(grad_out, grad_out2, input, weight, grad_sum)
     if (lib is None or not 0 < d <= native.ROW_MAX or (low_dtype is not None and not native.supports(low_dtype))
@@ -348,24 +371,36 @@ def _ln_backward_native(grad_out, grad_out2, input, mean, rstd, weight, bias, gr
     low = torch.empty(input.shape, dtype=low_dtype) if low_dtype is not None else None
     gw = torch.empty(d, dtype=torch.float32) if weight is not None else None
     gb = torch.empty(d, dtype=torch.float32) if bias is not None else None
+    sums = torch.empty(d, dtype=torch.float32) if low_sums and low is not None else None
     n = native.threads()
-    partial = torch.empty(2 * n * d, dtype=torch.float64) if gw is not None or gb is not None else None
+    partial = torch.empty(3 * n * d, dtype=torch.float64) if any(t is not None for t in (gw, gb, sums)) else None
     native.check(lib.kiln_ln_backward(
         g.data_ptr(), native.code(g), native.ptr(g2), native.code(g2) if g2 is not None else 0, x.data_ptr(),
         native.code(x), mu.data_ptr(), k.data_ptr(), native.ptr(w), native.code(w) if w is not None else 0,
         native.ptr(gs), native.code(gs) if gs is not None else 0, gi.data_ptr(), native.code(gi), native.ptr(low),
-        native.code(low) if low is not None else 0, native.ptr(gw), native.ptr(gb), native.ptr(partial),
-        input.numel() // d, d, n), "layer_norm_backward")
-    return (gi, gw if gw is not None else empty_like_absent(input), gb if gb is not None else empty_like_absent(input),
-            low if low is not None else empty_like_absent(gi))
+        native.code(low) if low is not None else 0, native.ptr(gw), native.ptr(gb), native.ptr(sums),
+        native.ptr(partial), input.numel() // d, d, n), "layer_norm_backward")
+    out = (gi, gw if gw is not None else empty_like_absent(input), gb if gb is not None else empty_like_absent(input),
+           low if low is not None else empty_like_absent(gi))
+    return out + (sums.to(low_dtype),) if sums is not None else out
 
 
-@layer_norm_backward_op.register_fake
-def _(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum=None, low_dtype=None):
+def _layer_norm_backward_fake(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum=None, low_dtype=None):
     _check_layer_norm_backward(grad_out, grad_out2, input, mean, rstd, weight, grad_sum)
     low = input.new_empty(input.shape, dtype=low_dtype) if low_dtype is not None else input.new_empty((0,))
     return (input.new_empty(input.shape), torch.empty_like(weight) if weight is not None else input.new_empty((0,)),
             torch.empty_like(bias) if bias is not None else input.new_empty((0,)), low)
+
+
+layer_norm_backward_op.register_fake(_layer_norm_backward_fake)
+
+
+@layer_norm_backward_sums_op.register_fake
+def _(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum=None, low_dtype=None):
+    if low_dtype is None:
+        raise ValueError("layer_norm_backward_sums sums grad_input's low-precision copy: give low_dtype")
+    outs = _layer_norm_backward_fake(grad_out, grad_out2, input, mean, rstd, weight, bias, grad_sum, low_dtype)
+    return outs + (input.new_empty(input.shape[-1:], dtype=low_dtype),)
 
 # Dropout draws 16 random bits per element: 4 elements from one 64-bit draw, which is ~5x faster than
 # the float per element of bernoulli_ (measured: 9 vs 48 ms for 4M elements). The drop probability is

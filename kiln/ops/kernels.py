@@ -57,8 +57,12 @@ _backward_op(kiln_ops.rms_norm_backward.default, Kind.NORM, F32, promotes=True, 
 # LayerNorm's backward with the residual stream's gradient sums (the `kiln` dialect's training fusion puts it
 # in place of ATen's): reads a bf16 output gradient as it is, adds the input's other gradient in the same pass,
 # and writes the bf16 copy of its input gradient that the next matmul's backward reads
+# the twin: also the column sums of the low-precision copy, the gradient of the bias of the linear layer whose
+# output gradient that copy is (kiln/passes/accumulate.py `fold_column_sums`, after the copy is folded in)
+_LN_BACKWARD_SUMS = defop(kiln_ops.layer_norm_backward_sums.default, None, Kind.NORM, F32, differentiable=False,
+                          promotes=True)
 _backward_op(kiln_ops.layer_norm_backward.default, Kind.NORM, F32, promotes=True, also_low=(0, 3),
-             accumulates=(0, 7))
+             accumulates=(0, 7), column_sums=_LN_BACKWARD_SUMS, sums_output=3)
 
 # ---- dropout + residual + LayerNorm -----------------------------------------------------------
 def vjp_dropout_add_layer_norm(b, n, g_out, g_sum, *_stats):

@@ -10,7 +10,7 @@ import torch
 
 from kiln.ir.graph import Value
 from kiln.kernels.activations import gelu_backward_sums
-from kiln.kernels.attention import backward_from_probs, forward_keeping_probs, probs_shape
+from kiln.kernels.attention import backward_from_probs, backward_packed, forward_keeping_probs, probs_shape
 from kiln.ops.common import arg, reshape, shape
 from kiln.ops.registry import Cast, Kind, OpDef, defop, nondiff, register
 from kiln.ops.spectral import conj, is_complex
@@ -260,6 +260,21 @@ ATTENTION_FROM_PROBS = register(OpDef(
     "kiln.attention_backward_from_probs", (backward_from_probs,), None, Kind.ATTENTION, LOW, differentiable=False,
     infer=_from_probs_infer,
     doc="CPU flash attention's backward reading the forward's probabilities instead of computing them again"))
+
+
+def _packed_infer(args, kwargs):
+    from kiln.ir.graph import TensorMeta
+    q, k, v = (a.meta for a in args[1:4])
+    parts = (q, k, v)
+    width = sum(parts[i].shape[1] * parts[i].shape[3] for i in kwargs.get("order", (0, 1, 2)))
+    return [TensorMeta((q.shape[0], q.shape[2], width), q.dtype, (), q.device).contiguous()]
+
+
+ATTENTION_PACKED = register(OpDef(
+    "kiln.attention_backward_packed", (backward_packed,), None, Kind.ATTENTION, LOW, differentiable=False,
+    infer=_packed_infer,
+    doc="kiln.attention_backward_from_probs with its three gradients written into the concatenation of the joined "
+        "q/k/v projection's output gradient (GPT-2's c_attn)"))
 
 
 # ---- backward kernels the rules above emit ------------------------------------------------------

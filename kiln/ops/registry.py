@@ -91,6 +91,8 @@ class OpDef:
     # an op computing this op's outputs and, after them, output 0's sum over every dimension but the last (a
     # bias's gradient, which the graph sums in a second pass): the sum folds into it (kiln/passes/accumulate.py)
     column_sums: "OpDef | None" = None
+    # the output whose sum `column_sums` computes (0 unless said: layer_norm_backward sums its low-precision copy)
+    sums_output: int = 0
     # the op computes each row of some leading dims of its outputs from the same row of the arguments at
     # given positions alone (other arguments apply to every row: weights): given the node, (those positions,
     # how many leading dims at most are rows), or None where this use mixes rows. Pointwise ops need no

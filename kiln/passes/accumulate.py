@@ -19,8 +19,11 @@ zeroes a vocabulary-sized matrix, adds the tokens' rows into it and the add read
 A bias's gradient is the sum of the gradient reaching its output over every dimension but the last; where
 that gradient is an op's result (BERT's and GPT-2's GELU backward), a second pass reads it all again. An op
 declaring `OpDef.column_sums` (a twin computing its outputs from the same arguments and, after them, that
-sum) becomes its twin where the graph sums its output 0, or a view of it keeping the last dimension, over
-all the other dimensions (`fold_column_sums`); the sum becomes a view of the twin's. The twin's kernel sums
+sum) becomes its twin where the graph sums its output `OpDef.sums_output` (0 unless said), or a view of it
+keeping the last dimension, over all the other dimensions (`fold_column_sums`); the sum becomes a view of the
+twin's. LayerNorm's backward sums its bf16 copy (`also_low`), the output gradient of the linear layer before
+the norm in the backward (GPT-2's and BERT's projections back into the residual stream): that copy exists only
+once the narrowing casts are folded (kiln/passes/casts.py), so the fold runs again after them. The twin's kernel sums
 the values as the output's dtype holds them, in fp32, in its own order. Only for half-type outputs, whose
 rounding is the error that counts: in fp32 the twin's last bits (its erf, its order of summation) would differ
 from ATen's, and fp32 steps keep eager's arithmetic where they can (a parameter whose true gradient is 0, a key
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ir.builder import infer_metas
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.symbolic import same
 
@@ -94,8 +98,8 @@ def _runs(op, dialects) -> bool:
 
 
 def fold_column_sums(graph: Graph, dialects: tuple[str, ...]) -> int:
-    """Fold `sum(op(...)[0] or a view of it, every dim but the last)` into the op's `column_sums` twin where an
-    enabled dialect runs the twin. Returns how many sums were folded."""
+    """Fold `sum(op(...)[i] or a view of it, every dim but the last)` into the op's `column_sums` twin where an
+    enabled dialect runs the twin (i: the op's `sums_output`). Returns how many sums were folded."""
     from kiln.ops import registry
     twins: dict[int, Value] = {}                    # node uid -> its sums output
     folded = 0
@@ -107,7 +111,7 @@ def fold_column_sums(graph: Graph, dialects: tuple[str, ...]) -> int:
         if n.uid not in twins:
             if not _runs(twin, dialects):
                 continue
-            meta = twin.infer(n.args, n.kwargs)[1]
+            meta = infer_metas(twin.targets[0], n.args, n.kwargs)[-1]
             sums = Value(graph.fresh_name("column_sums"), meta)
             sums.producer = n
             n.op, n.target, n.outputs = twin, twin.targets[0], [*n.outputs, sums]
@@ -120,8 +124,8 @@ def fold_column_sums(graph: Graph, dialects: tuple[str, ...]) -> int:
 
 
 def _summed_node(s: Node) -> Node | None:
-    """The node with a `column_sums` twin whose output 0 `s` sums over every dimension but the last (reading
-    it or a view of it that keeps that dimension), or None."""
+    """The node with a `column_sums` twin whose `sums_output` `s` sums over every dimension but the last
+    (reading it or a view of it that keeps that dimension), or None."""
     if s.target is not aten.sum.dim_IntList or s.kwargs.get("dtype") is not None or len(s.args) < 2:
         return None
     src, dims = s.args[0], s.args[1]
@@ -136,7 +140,7 @@ def _summed_node(s: Node) -> Node | None:
         if inner.meta is not None and same(inner.meta.shape[-1:], src.meta.shape[-1:]):
             base = inner
     n = base.producer
-    if n is None or n.op.column_sums is None or base is not n.outputs[0]:
+    if n is None or n.op.column_sums is None or base is not n.outputs[n.op.sums_output]:
         return None
     if not same(s.outputs[0].meta.shape[-1:], base.meta.shape[-1:]) or s.outputs[0].meta.dtype != base.meta.dtype:
         return None

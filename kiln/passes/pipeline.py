@@ -231,7 +231,9 @@ PIPELINE: list[Pass] = [
     ("fold_accumulation",
      lambda c: fold_accumulation(c.graph, c.dialects) + fold_column_sums(c.graph, c.dialects)),
     # bf16 -> fp32 casts read by ops that promote; fp32 -> bf16 casts of kernel outputs into the kernels
-    ("fold_casts", lambda c: fold_widening_casts(c.graph) + fold_narrowing_casts(c.graph)),
+    # (and the bias sums of the outputs those casts become: layer_norm_backward's low copy)
+    ("fold_casts", lambda c: fold_widening_casts(c.graph) + fold_narrowing_casts(c.graph)
+     + fold_column_sums(c.graph, c.dialects)),
     # attention's forward keeps its probabilities for its backward where they are small (no budget)
     ("keep_probs", lambda c: keep_attention_probs(c.graph, c.dialects, c.memory_budget)),
     ("schedule", _schedule),             # the backward's independent ops reordered where the predicted peak drops

@@ -120,3 +120,77 @@ def test_measuring_draws_nothing_from_the_users_random_stream(monkeypatch, tmp_p
     assert torch.equal(after_kiln, torch.get_rng_state())   # the same number of draws as eager
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q.detach() - q.grad, rtol=1e-5, atol=1e-6)
+
+
+def _native_bf16() -> bool:
+    from kiln.passes.amp import cpu_has_native
+    return cpu_has_native(torch.bfloat16)
+
+
+class _Conv1D(torch.nn.Module):
+    """GPT-2's Conv1D: x @ w + b through torch.addmm, w stored (in, out)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_in, n_out) * 0.1)
+        self.bias = torch.nn.Parameter(torch.randn(n_out) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not _native_bf16(),
+                    reason="oneDNN takes bf16 addmm only on a CPU with native bf16")
+@pytest.mark.parametrize("shape", [(64, 48, 40), (256, 512, 1536)])
+def test_onednn_addmm_is_atens_addmm_bit_for_bit(shape):
+    m, k, n = shape
+    torch.manual_seed(0)
+    x, w, b = (torch.randn(m, k).bfloat16(), torch.randn(k, n).bfloat16(), torch.randn(n).bfloat16())
+    assert torch.equal(onednn.onednn_addmm(b, x, w).view(torch.int16), torch.addmm(b, x, w).view(torch.int16))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not _native_bf16(),
+                    reason="oneDNN takes bf16 addmm only on a CPU with native bf16")
+def test_onednn_addmm_trains_a_conv1d_model_like_autocast(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_KEEP", "all")               # use it whatever it measures
+    monkeypatch.setenv("KILN_TUNING", "ahead")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Conv1D(32, 64), torch.nn.GELU(), _Conv1D(64, 10))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 16, 32), torch.randint(0, 10, (4, 16))
+    loss_fn = lambda m, x, y: torch.nn.functional.cross_entropy(m(x).flatten(0, 1).float(), y.flatten())  # noqa: E731
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=loss_fn, dialects=["onednn"], amp="bf16")
+    for _ in range(3):
+        step(x, y)
+    addmms = [n for n in step.graph.nodes if n.op.name == "aten.addmm"]
+    assert addmms and all(n.impl.label == "onednn:addmm" for n in addmms)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(ref, x, y)
+        loss.backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["bias 2-D", "beta", "fp32", "3-D input"])
+def test_onednn_addmm_declines_what_it_does_not_compute(case):
+    from kiln.ir.graph import Node, TensorMeta, Value
+    cpu = torch.device("cpu")
+
+    def value(shape, dtype=torch.bfloat16):
+        stride = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * shape[i + 1]
+        return Value("v", TensorMeta(tuple(shape), dtype, tuple(stride), cpu))
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    bias = value((1, 8) if case == "bias 2-D" else (8,), dtype)
+    x = value((2, 4, 16) if case == "3-D input" else (4, 16), dtype)
+    node = Node.__new__(Node)
+    node.args, node.kwargs = (bias, x, value((16, 8), dtype)), ({"beta": 2} if case == "beta" else {})
+    assert not onednn._addmm_ok(node)
+    node.args, node.kwargs = (value((8,)), value((4, 16)), value((16, 8))), {}
+    assert onednn._addmm_ok(node) == _native_bf16()

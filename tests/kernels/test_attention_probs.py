@@ -161,6 +161,40 @@ def _labels(step) -> set:
     return {n.impl.label for n in step.graph.nodes if n.op.name.startswith(("kiln.attention", "aten._scaled_dot"))}
 
 
+@needs_products
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
+@pytest.mark.parametrize("kept,kv_heads", [(True, None), (False, None), (True, 1)])
+def test_packed_gradients_are_the_concatenation_of_the_transposed_gradients(order, kept, kv_heads):
+    """`backward_packed` gives, bit for bit, the concatenation a joined q/k/v projection's model makes of the three
+    gradients (each transposed to (batch, tokens, heads x d)) in any order: written in place by the one-pass
+    kernel, copied in where another path runs (fewer key/value heads)."""
+    b, h, t, d = 2, 4, 40, 16
+    q, k, v = _inputs(b, h, t, t, d, d, kv_heads=kv_heads)
+    g = torch.randn(b, t, h, d).bfloat16().transpose(1, 2)
+    out, lse, probs = attention.forward_keeping_probs(q, k, v, 0.0, True)
+    if not kept:
+        probs = probs.new_empty(0)
+    grads = attention.backward_from_probs(g, q, k, v, out, lse, probs, 0.0, True)
+    want = torch.cat([grads[i].transpose(1, 2).reshape(b, t, -1) for i in order], -1)
+    (packed,) = attention.backward_packed(g, q, k, v, out, lse, probs, 0.0, True, order=order)
+    assert packed.shape == want.shape and packed.is_contiguous()
+    assert torch.equal(packed.view(torch.int16), want.view(torch.int16))
+
+
+def test_a_gpt2_bf16_step_writes_its_attention_gradients_into_the_projections_concatenation():
+    """GPT-2's attention splits one joined projection (c_attn): where this machine keeps the probabilities, the
+    backward writes its three gradients into that projection's output gradient (no concatenation left in the
+    backward), and the step tracks eager autocast as closely as before."""
+    from tests.models.reference import sgd_like_eager
+    step = sgd_like_eager("gpt2", "bf16")
+    packed = [n for n in step.graph.nodes if n.op.name == "kiln.attention_backward_packed"]
+    if not attention.keeps_probs_here():
+        assert not packed
+        return
+    assert packed and all(n.impl.label == "attention:packed" for n in packed)
+    assert not [n for n in step.graph.nodes if n.target is aten.cat.default and n.phase.value == "backward"]
+
+
 @pytest.mark.parametrize("name", ["bert", "llama"])
 def test_a_bf16_step_with_kept_probabilities_trains_like_eager(name):
     """Where this machine keeps them, a bf16 step's attention pairs keep their probabilities (the tiny models'

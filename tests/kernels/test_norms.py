@@ -211,6 +211,31 @@ def test_layer_norm_backward_matches_aten_in_float64(case, native, monkeypatch):
         assert gl.dtype == low and torch.equal(gl, gi.to(low))
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_backward_sums_adds_the_low_copys_column_sums(native, affine, monkeypatch):
+    """The twin's outputs are layer_norm_backward's, and its fifth is the sum of the bf16 copy over the rows as
+    aten.sum of that copy computes it (fp32 sums of the rounded values, rounded to bf16): the same value or one
+    bf16 step from it, where the two orders of summation round to either side."""
+    monkeypatch.setenv("KILN_NATIVE", native)
+    torch.manual_seed(0)
+    shape = (3, 150, 96)                              # rows beyond one block of 64 in each thread
+    x = torch.randn(shape) * 2 + 0.5
+    w, b = (torch.rand(96) + 0.5, torch.randn(96)) if affine else (None, None)
+    g, g2, gsum = torch.randn(shape).bfloat16(), torch.randn(shape), torch.randn(shape)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [96], w, b, 1e-5)
+    plain = torch.ops.kiln.layer_norm_backward(g, g2, x, mean, rstd, w, b, gsum, torch.bfloat16)
+    *outs, sums = torch.ops.kiln.layer_norm_backward_sums(g, g2, x, mean, rstd, w, b, gsum, torch.bfloat16)
+    for a, o in zip(plain, outs):
+        assert torch.equal(a, o)
+    ref = torch.ops.aten.sum(plain[3], [0, 1])        # ATen's sum of the bf16 copy: fp32 sums, rounded
+    assert sums.dtype == torch.bfloat16 and sums.shape == (96,)
+    exact = plain[3].double().sum((0, 1))
+    assert ((sums.double() - exact).abs() <= (ref.double() - exact).abs() + exact.abs() * 2 ** -8 + 1e-6).all()
+    with pytest.raises(ValueError, match="low_dtype"):
+        torch.ops.kiln.layer_norm_backward_sums(g, g2, x, mean, rstd, w, b, gsum, None)
+
+
 def test_layer_norm_backward_rejects_mismatched_shapes():
     x, g = torch.randn(4, 8), torch.randn(4, 8)
     _, mean, rstd = torch.ops.aten.native_layer_norm(x, [8], None, None, 1e-5)

@@ -51,7 +51,10 @@ def samples():
                  (g, torch.randn_like(g), s, mean, rstd_ln, w.detach(), b.detach(), torch.randn_like(g),
                   torch.float32), DETERMINISTIC),
                 (f"ln_backward-noaffine-{tag}", k.layer_norm_backward.default,
-                 (g, None, s, mean, rstd_ln, None, None), DETERMINISTIC)]
+                 (g, None, s, mean, rstd_ln, None, None), DETERMINISTIC),
+                (f"ln_backward_sums-{tag}", k.layer_norm_backward_sums.default,
+                 (g, None, s, mean, rstd_ln, w.detach(), b.detach(), torch.randn_like(g), torch.bfloat16),
+                 DETERMINISTIC)]
         gate, up = _r(4, 6, 10, dtype=dt), _r(4, 6, 10, dtype=dt)
         out += [(f"swiglu-{tag}", k.swiglu.default, (gate, up), DETERMINISTIC),
                 (f"swiglu_backward-{tag}", k.swiglu_backward.default,

@@ -202,7 +202,8 @@ def test_gpt2_and_bert_bf16_steps_run_layer_norm_backward_as_one_kernel_and_trai
     for name in ("gpt2", "bert"):
         for amp in (None, "bf16"):
             step = sgd_like_eager(name, amp)
-            fused = [n for n in step.graph.nodes if n.op.name == "kiln.layer_norm_backward"]
+            fused = [n for n in step.graph.nodes if n.op.name in ("kiln.layer_norm_backward",
+                                                                  "kiln.layer_norm_backward_sums")]
             aten_ln = count(step.graph, aten.native_layer_norm_backward.default)
             if amp is None:
                 assert not fused and aten_ln > 0, name
@@ -213,6 +214,12 @@ def test_gpt2_and_bert_bf16_steps_run_layer_norm_backward_as_one_kernel_and_trai
             else:                   # pre-LN: the residual add after it is its grad_sum
                 assert any(n.args[7] is not None for n in fused)
             assert any(n.kwargs.get("low_dtype") == torch.bfloat16 for n in fused)
-            assert all(n.impl.label == "kiln:layer_norm_backward" for n in fused)
+            assert all(n.impl.label in ("kiln:layer_norm_backward", "kiln:layer_norm_backward_sums") for n in fused)
+            # the bias sums of the bf16 copies went into the kernels: no aten.sum reads one
+            lows = {n.outputs[3] for n in fused}
+            sums = [n for n in step.graph.nodes if n.target is aten.sum.dim_IntList]
+            assert any(n.op.name == "kiln.layer_norm_backward_sums" for n in fused), name
+            assert not [s for s in sums if s.args[0] in lows or (s.args[0].producer is not None and
+                                                                 set(s.args[0].producer.inputs) & lows)], name
     step = sgd_like_eager("bert", "bf16", dialects=["aten", "attention"])
     assert not [n for n in step.graph.nodes if n.op.name == "kiln.layer_norm_backward"]
