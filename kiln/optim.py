@@ -16,6 +16,7 @@ fully updated.
 from __future__ import annotations
 
 import copy
+import ctypes
 import fnmatch
 import math
 
@@ -85,26 +86,25 @@ def adamw_update_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, b
     reads the incremented step counts; the counters themselves are written after it."""
     if _skip(found_inf):
         return
-    new_steps = torch._foreach_add(steps, 1)
     grads = [same_layout(g, p) for g, p in zip(grads, params)]
     if any(g.dtype != p.dtype for g, p in zip(grads, params)):
         # narrow gradients (amp: a bf16 weight copy's gradient, whose widening cast fold_casts dropped): read
         # as they are by the native loops, else widened here (the fused kernel takes one dtype)
-        if decoupled and _adamw_native_in_place(params, grads, exp_avgs, exp_avg_sqs, new_steps, lr, beta1, beta2,
+        if decoupled and _adamw_native_in_place(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2,
                                                 eps, weight_decay):
-            stage(torch._foreach_copy_, steps, new_steps)
             return
         grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
+    new_steps = torch._foreach_add(steps, 1)
     stage_first(_fused_adam(decoupled), params, grads, exp_avgs, exp_avg_sqs, [], new_steps, lr=lr, beta1=beta1,
                 beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     stage(torch._foreach_copy_, steps, new_steps)
 
 
-def _adamw_native_in_place(params, grads, exp_avgs, exp_avg_sqs, new_steps, lr, beta1, beta2, eps,
+def _adamw_native_in_place(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps,
                            weight_decay) -> bool:
     """Stage the AdamW step of every parameter by native.c's kiln_adamw_step (fp32 parameters and moments,
     fp32 or bf16 gradients read as they are; the parameter bit for bit `_fused_adamw_`'s on the widened
-    gradient); False where the loops do not apply (nothing staged)."""
+    gradient), and the step counts' increments; False where the loops do not apply (nothing staged)."""
     lib = native.usable(*params, *grads, *exp_avgs, *exp_avg_sqs)
     if lib is None or any(t.dtype != torch.float32 or not t.is_contiguous()
                           for t in (*params, *exp_avgs, *exp_avg_sqs)):
@@ -115,10 +115,19 @@ def _adamw_native_in_place(params, grads, exp_avgs, exp_avg_sqs, new_steps, lr, 
     threads = native.threads()
     # one staged write per parameter, each a single C call (no Python frame: an interrupt cannot fall inside
     # one, and the commit rolls forward over the rest); the tensors are held by a write that does nothing
-    for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, (float(t) for t in new_steps)):
+    counts = native.read_scalars(steps)
+    if counts is None:                          # not fp32 CPU scalars: ATen's ops
+        new_steps = torch._foreach_add(steps, 1)
+        counts = [float(t) for t in new_steps]
+        write = (torch._foreach_copy_, steps, new_steps)
+    else:                                       # t + 1 rounded to fp32, as the fp32 add rounds it
+        counts = [ctypes.c_float(c + 1.0).value for c in counts]
+        write = (native.write_scalars, steps, counts)
+    for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, counts):
         stage_first(lib.kiln_adamw_step, p.data_ptr(), g.data_ptr(), native.code(g), m.data_ptr(), v.data_ptr(),
                     p.numel(), lr, beta1, beta2, eps, wd, 1 - beta1 ** t, math.sqrt(1 - beta2 ** t), threads)
     stage(tuple, [*params, *grads, *exp_avgs, *exp_avg_sqs])
+    stage(*write)
     return True
 
 

@@ -494,7 +494,10 @@ def test_adamw_multi_reads_bf16_gradients_as_the_references_read_their_widened_c
     with step_transaction() as txn:
         optim.adamw_update_multi(gp, gs, gm, gv, ss, 1e-3, 0.9, 0.999, 1e-8, 0.01)
         assert all(torch.equal(a, b) for a, b in zip(gp + gm + gv, ps + ms + vs))
+        assert [s.item() for s in ss] == [0.0, 3.0, 7.0]          # the step counts too, until the commit
+    versions = [s._version for s in ss]
     txn.commit()
+    assert all(s._version > v for s, v in zip(ss, versions))    # written as an in-place write would be
     assert all(torch.equal(a, b) for a, b in zip(gp, wp))
     if native_on == "1":
         wm = [torch_opt.state[r]["exp_avg"] for r in refs]
