@@ -219,7 +219,8 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
         dq, dk, dv = flash_backward_math(grad_out, q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), out,
                                          logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale,
                                          probs=probs)
-        return _into((dq, dk.unflatten(1, (k.shape[1], rep)).sum(2), dv.unflatten(1, (v.shape[1], rep)).sum(2)), grads)
+        summed = (dq, dk.unflatten(1, (k.shape[1], rep)).sum(2), dv.unflatten(1, (v.shape[1], rep)).sum(2))
+        return _into(summed, grads)
     scale, mask, lib = _setup("flash_backward_math", q, k, dropout_p, is_causal, attn_mask, scale, v, grad_out,
                               out)
     t, s = q.shape[2], k.shape[2]
@@ -288,19 +289,17 @@ def _backward_bf16(lib, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     grad_out, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (grad_out, q, k, v, out))
     b, h, t, d = q.shape
     s, dv = k.shape[2], v.shape[3]
-    if grads is None or any(g.stride(-1) != 1 for g in grads):
-        dq, dk, dvv = (torch.empty_like(x) for x in (q, k, v))         # their layouts, as ATen's flash backward
-        if grads is not None:
-            return _into(_backward_bf16(lib, grad_out, q, k, v, out, logsumexp, mask, is_causal, scale, probs), grads)
-    else:
-        dq, dk, dvv = grads
-    grads = (ctypes.c_int64 * 9)(*dq.stride()[:3], *dk.stride()[:3], *dvv.stride()[:3])
+    if grads is not None and any(g.stride(-1) != 1 for g in grads):     # the kernel writes rows of d values
+        return _into(_backward_bf16(lib, grad_out, q, k, v, out, logsumexp, mask, is_causal, scale, probs), grads)
+    # their layouts, as ATen's flash backward, unless given
+    dq, dk, dvv = grads if grads is not None else (torch.empty_like(x) for x in (q, k, v))
+    strides = (ctypes.c_int64 * 9)(*dq.stride()[:3], *dk.stride()[:3], *dvv.stride()[:3])
     lse = logsumexp.float().contiguous()
     native.check(lib.kiln_attn_backward_bf16(
         native.ptr(grad_out), native.strides(grad_out), native.ptr(q), native.strides(q), native.ptr(k),
         native.strides(k), native.ptr(v), native.strides(v), native.ptr(out), native.strides(out), native.ptr(lse),
         native.ptr(probs), native.ptr(mask), native.strides(mask), int(is_causal), native.ptr(dq), native.ptr(dk),
-        native.ptr(dvv), grads,
+        native.ptr(dvv), strides,
         b, h, t, s, d, dv, scale, native.threads()), "attention backward")
     return dq, dk, dvv
 
@@ -346,9 +345,9 @@ def backward_from_probs(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
 def backward_packed(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
                     probs: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Tensor | None = None,
                     scale: float | None = None, order: tuple = (0, 1, 2)) -> tuple[Tensor]:
-    """(packed,): `backward_from_probs`'s three gradients in one (batch, tokens, sum of heads x head size) tensor, each
-    transposed to (batch, tokens, heads x head size) and placed along the last dimension in `order` (indices into
-    (dq, dk, dv)): the concatenation a model that splits one joined q/k/v projection (GPT-2's `c_attn`) makes
+    """(packed,): `backward_from_probs`'s three gradients in one (batch, tokens, sum of heads x head size) tensor,
+    each transposed to (batch, tokens, heads x head size) and placed along the last dimension in `order` (indices
+    into (dq, dk, dv)): the concatenation a model that splits one joined q/k/v projection (GPT-2's `c_attn`) makes
     for that projection's backward, `cat([g.transpose(1, 2).reshape(b, t, -1) for g in ...], -1)`. The one-pass
     bf16 kernel writes each gradient into its columns directly (the same values; no (b, heads, t, d) gradients
     and no concatenation: GPT-2 bench model, 0.45 ms a layer); other paths compute them and copy them in.
