@@ -19,6 +19,8 @@ result on all four.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kiln.dialects.registry import dialect, kernel
@@ -47,12 +49,24 @@ def _linear_ok(n) -> bool:
 
 
 def _native_dtype(dtype) -> bool:
-    """fp32, or a half type this CPU multiplies natively (oneDNN has no low-precision inner product without the
-    instructions)."""
-    if dtype == torch.float32:
-        return True
+    """fp32, or a half type this CPU multiplies natively and oneDNN runs its inner product in here (`native_half`)."""
+    return dtype == torch.float32 or native_half(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def native_half(dtype) -> bool:
+    """Whether oneDNN's inner product takes `dtype` (bf16/fp16) here on native instructions. The CPU's flags
+    (`cpu_has_native`) are not enough: oneDNN may be held below them (ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 BF16
+    machine, the AVX2 test pass), and then it cannot create the primitive at all; so one tiny product is tried."""
     from kiln.passes.amp import cpu_has_native
-    return dtype in (torch.bfloat16, torch.float16) and cpu_has_native(dtype)
+    if dtype not in (torch.bfloat16, torch.float16) or not cpu_has_native(dtype):
+        return False
+    try:
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype), None,
+                                           "none", [], "")
+    except (RuntimeError, NotImplementedError):         # no primitive here, or no oneDNN at all
+        return False
+    return True
 
 
 kernel(ONEDNN, aten.linear.default, onednn_linear, checker=_linear_ok, name="linear", measured=True)
@@ -80,7 +94,7 @@ def _addmm_ok(n) -> bool:
         return False
     # half types only: there oneDNN's result is ATen's bit for bit (both are oneDNN's product); fp32 addmm is
     # MKL's, whose order of summation oneDNN does not share, and fp32 steps keep eager's arithmetic
-    return metas[1].dtype != torch.float32 and _native_dtype(metas[1].dtype)
+    return native_half(metas[1].dtype)
 
 
 kernel(ONEDNN, aten.addmm.default, onednn_addmm, checker=_addmm_ok, name="addmm", measured=True)

@@ -123,8 +123,7 @@ def test_measuring_draws_nothing_from_the_users_random_stream(monkeypatch, tmp_p
 
 
 def _native_bf16() -> bool:
-    from kiln.passes.amp import cpu_has_native
-    return cpu_has_native(torch.bfloat16)
+    return onednn.native_half(torch.bfloat16)
 
 
 class _Conv1D(torch.nn.Module):

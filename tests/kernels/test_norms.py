@@ -228,6 +228,9 @@ def test_layer_norm_backward_sums_adds_the_low_copys_column_sums(native, affine,
     *outs, sums = torch.ops.kiln.layer_norm_backward_sums(g, g2, x, mean, rstd, w, b, gsum, torch.bfloat16)
     for a, o in zip(plain, outs):
         assert torch.equal(a, o)
+    rgi, _, _ = _ln_backward_ref(g, g2, x, w, b, gsum)  # and against float64 ATen, not only the plain op
+    torch.testing.assert_close(outs[0].double(), rgi, rtol=1e-5, atol=1e-5 * rgi.abs().max().item())
+    assert torch.equal(outs[3], outs[0].to(torch.bfloat16))
     ref = torch.ops.aten.sum(plain[3], [0, 1])        # ATen's sum of the bf16 copy: fp32 sums, rounded
     assert sums.dtype == torch.bfloat16 and sums.shape == (96,)
     exact = plain[3].double().sum((0, 1))
