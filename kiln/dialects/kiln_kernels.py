@@ -1,7 +1,8 @@
 """The `kiln` dialect: Kiln's fused kernel library (`kiln.kernels`, custom ops `torch.ops.kiln.*`).
 
-Each op's kernel is the custom op itself: on CPU its ATen implementation, on CUDA the
-implementation registered in `kiln.kernels.GPU_IMPLS` (the ATen one until then). A model opts in
+Each op's kernel is the custom op's Python body, called directly by the generated step (`direct`: not
+through the dispatcher, which costs about 75 us a call): on CPU its ATen implementation or native loops, on
+CUDA the implementation registered in `kiln.kernels.GPU_IMPLS` (the ATen one until then). A model opts in
 by calling `kiln.kernels.*` (capture keeps those calls as single nodes), or the dialect's fusions
 below turn unfused code into these ops (written-out RMSNorm, RoPE pairs, SwiGLU, a large-vocabulary
 lm_head + cross-entropy). With the dialect disabled (`kiln.dialects("aten")`), nothing is fused and
@@ -17,6 +18,7 @@ from kiln.dialects.registry import dialect, fusion, kernel
 from kiln.ir.graph import Value
 from kiln.ir.pattern import Lit, Op, Opt, Seq, V
 from kiln.kernels import OPS, activations
+from kiln.kernels._common import direct
 from kiln.kernels.embedding import embedding_backward_acc
 from kiln.ops.common import reshape, shape
 from kiln.ir.symbolic import hint, same
@@ -25,7 +27,10 @@ KILN = dialect("kiln", priority=5, devices=("cpu", "cuda"),
                doc="Kiln's fused kernels: norms, SwiGLU, Linear+GELU, GELU (tanh), RoPE, chunked Linear+cross-entropy")
 
 for _name, _op in OPS.items():
-    kernel(KILN, _op, _op, name=_name)
+    # the op's Python body called directly (`direct`: no dispatcher, the same code and the same aliasing check);
+    # no run-time fallback, which would run that same body again
+    _body = direct(_op)
+    kernel(KILN, _op, _body or _op, name=_name, fallback=_body is None)
 
 
 def _gelu_ok(n) -> bool:
@@ -102,6 +107,29 @@ def build_rms_norm(b, matches):
 
 fusion(KILN, "rms_norm", RMS_NORM, build_rms_norm, priority=10,
        doc="x * rsqrt(mean(x^2) + eps) * w written out -> kiln.rms_norm (one pass, fp32 statistics)")
+
+
+# The residual add before an RMSNorm (a pre-norm transformer's `h = h + attn(...)`, then `norm(h)`): one pass adds,
+# writes the sum (the residual stream, used on by the next block: a shared value) and normalizes it. The sum is
+# rounded to the inputs' promoted dtype as ATen's add rounds it, and a float32 sum's statistics are eager's own
+# (kiln/kernels/norms.py), so the result is the unfused ops' bit for bit.
+ADD_RMS_NORM = Op(kiln_ops.rms_norm.default, Op(aten.add.Tensor, T("x"), T("r"), Lit(1), name="sum"), T("w"),
+                  V("eps"), Lit(None))
+
+
+def build_add_rms_norm(b, matches):
+    (m,) = matches
+    x, r, total = m["x"], m["r"], m["sum"]
+    if not (x.is_float and r.is_float and same(shape(x), shape(r)) and same(shape(total), shape(x))):
+        return None            # broadcasting: the kernel adds rows of one shape
+    out, s, rstd = b(kiln_ops.add_rms_norm.default, x, r, m["w"], m["eps"])
+    if s.meta.dtype != total.meta.dtype or out.meta.dtype != m.root.outputs[0].meta.dtype:
+        return None
+    return [([out, rstd], {"sum": s})]
+
+
+fusion(KILN, "add_rms_norm", ADD_RMS_NORM, build_add_rms_norm, priority=9, shared=("sum",),
+       doc="x + r, then kiln.rms_norm of the sum -> kiln.add_rms_norm (one pass writes the sum and the norm)")
 
 
 # SwiGLU gating: silu(gate) * up, same shapes (Llama/Mistral/Qwen MLPs)

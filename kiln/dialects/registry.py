@@ -86,6 +86,10 @@ class Fusion:
     one build call (a key of None: leave the match alone), split in graph order into chunks of
     `group_size` (all of them if None); chunks smaller than `min_group` are left alone. `phase` says which graph it applies to: "forward" (before amp and autodiff, so the fused op's
     own VJP rule and cast class apply) or "training" (after autodiff and the optimizer).
+
+    `shared`: names of inner values of the pattern (bound by `name=`) that may be used outside the match (a
+    residual sum the fused op also writes); `build` then returns, per match, a pair: the root's replacement and
+    a dict {name: the value that replaces that inner value everywhere}. Not with `group_by`.
     """
 
     dialect: Dialect
@@ -98,6 +102,7 @@ class Fusion:
     group_size: int | None = None
     min_group: int = 1
     doc: str = ""
+    shared: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -198,10 +203,12 @@ def lowering(d: Dialect, target: Any, fn: Callable, checker=None, priority: int 
 
 def fusion(d: Dialect, name: str, pattern: Any, build: Callable, *, priority: int = 0, phase: str = "forward",
            group_by: Callable | None = None, group_size: int | None = None, min_group: int = 1,
-           doc: str = "") -> Fusion:
+           doc: str = "", shared: tuple[str, ...] = ()) -> Fusion:
     if phase not in ("forward", "training"):
         raise ValueError(f"fusion {name}: phase must be 'forward' or 'training', got {phase!r}")
-    f = Fusion(d, name, pattern, build, priority, phase, group_by, group_size, min_group, doc)
+    if shared and group_by is not None:
+        raise ValueError(f"fusion {name}: shared inner values are for single matches, not groups")
+    f = Fusion(d, name, pattern, build, priority, phase, group_by, group_size, min_group, doc, tuple(shared))
     _FUSIONS.append(f)
     return f
 

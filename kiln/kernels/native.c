@@ -144,101 +144,6 @@ static inline float exp_approx(float x) {
     return exp_in_range(x);
 }
 
-/* ---- RMSNorm ---------------------------------------------------------------------------------------
- * s = x (+ residual, rounded to sum_dt when the sum is written); rstd = 1/sqrt(mean(s^2) + eps), or read
- * from `rstd` when rstd_given (float32 sums: eager's own statistics, see norms.py); out = s * rstd * weight,
- * in out_dt. Contiguous rows x d. */
-int kiln_rms_forward(const void *x, int x_dt, const void *res, int res_dt, const void *w, int w_dt, void *out,
-                     int out_dt, void *sum, int sum_dt, float *rstd, int rstd_given, int64_t rows, int64_t d,
-                     double eps, int threads) {
-    if (d > ROW_MAX) return -1;
-    float wbuf[ROW_MAX];
-    const float *wf = in_row(wbuf, w, w_dt, d);
-#pragma omp parallel num_threads(threads)
-    {
-        float sb[ROW_MAX], tb[ROW_MAX], ob[ROW_MAX];
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const float *s = in_row(sb, elem(x, x_dt, r * d), x_dt, d);
-            if (res) {
-                const float *t = in_row(tb, elem(res, res_dt, r * d), res_dt, d);
-                float *sum_row = out_row(sb, elem_out(sum, sum_dt, r * d), sum_dt);
-#pragma omp simd
-                for (int64_t j = 0; j < d; j++) sum_row[j] = s[j] + t[j];
-                round_to(sum_row, sum_dt, d);
-                out_done(elem_out(sum, sum_dt, r * d), sum_dt, sum_row, d);
-                s = sum_row;
-            }
-            float k = rstd[r];
-            if (!rstd_given) {
-                double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t j = 0; j < d; j++) acc += (double)s[j] * (double)s[j];
-                k = 1.0f / sqrtf((float)(acc / (double)d) + (float)eps);
-                rstd[r] = k;
-            }
-            float *o = out_row(ob, elem_out(out, out_dt, r * d), out_dt);
-#pragma omp simd
-            for (int64_t j = 0; j < d; j++) o[j] = s[j] * k * wf[j];
-            out_done(elem_out(out, out_dt, r * d), out_dt, o, d);
-        }
-    }
-    return 0;
-}
-
-/* grad_s = rstd * (g*w - s * rstd^2 * dot / d) (+ grad_sum), dot = sum_j g w s; grad_w = sum_rows g s rstd;
- * gi_low (optional): grad_s rounded to low_dt as well. partial: threads x d doubles of scratch. */
-int kiln_rms_backward(const void *g, int g_dt, const void *gsum, int gsum_dt, const void *s_in, int s_dt,
-                      const void *w, int w_dt, const float *rstd, void *gi, int gi_dt, void *gw, int gw_dt,
-                      void *gi_low, int low_dt, double *partial, int64_t rows, int64_t d, int threads) {
-    if (d > ROW_MAX) return -1;
-    float wbuf[ROW_MAX];
-    const float *wf = in_row(wbuf, w, w_dt, d);
-    memset(partial, 0, sizeof(double) * (size_t)threads * (size_t)d);
-#pragma omp parallel num_threads(threads)
-    {
-        float gb[ROW_MAX], sb[ROW_MAX], hb[ROW_MAX], ob[ROW_MAX];
-        int64_t lo, hi;
-        share(rows, &lo, &hi);
-        double *acc_w = partial + (size_t)thread_index() * (size_t)d;
-        for (int64_t r = lo; r < hi; r++) {
-            const float *gr = in_row(gb, elem(g, g_dt, r * d), g_dt, d);
-            const float *sr = in_row(sb, elem(s_in, s_dt, r * d), s_dt, d);
-            float k = rstd[r];
-            double dot = 0.0;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t j = 0; j < d; j++) {
-                float p = gr[j] * sr[j];
-                dot += (double)p * (double)wf[j];
-                acc_w[j] += (double)p * (double)k;
-            }
-            float coef = (float)(dot * (double)k * (double)k / (double)d);
-            float *t = out_row(ob, elem_out(gi, gi_dt, r * d), gi_dt);
-            if (gsum) {
-                const float *h = in_row(hb, elem(gsum, gsum_dt, r * d), gsum_dt, d);
-#pragma omp simd
-                for (int64_t j = 0; j < d; j++) t[j] = (gr[j] * wf[j] - sr[j] * coef) * k + h[j];
-            } else {
-#pragma omp simd
-                for (int64_t j = 0; j < d; j++) t[j] = (gr[j] * wf[j] - sr[j] * coef) * k;
-            }
-            out_done(elem_out(gi, gi_dt, r * d), gi_dt, t, d);
-            if (gi_low) {                 /* the same gradient in a narrower dtype too: rounded from gi's value */
-                if (gi_dt != F32) load(ob, elem(gi, gi_dt, r * d), gi_dt, d);
-                store(elem_out(gi_low, low_dt, r * d), low_dt, gi_dt == F32 ? t : ob, d);
-            }
-        }
-    }
-    float total[ROW_MAX];
-    for (int64_t j = 0; j < d; j++) {
-        double a = 0.0;
-        for (int m = 0; m < threads; m++) a += partial[(size_t)m * (size_t)d + (size_t)j];
-        total[j] = (float)a;
-    }
-    store(gw, gw_dt, total, d);
-    return 0;
-}
-
 /* ---- rotary embedding (rotate_half): out1 = t1 c1 - t2 s1, out2 = t2 c2 + t1 s2 ---------------------
  * The backward is the transpose: g1' = g1 c1 + g2 s2, g2' = g2 c2 - g1 s1. Rows are indexed by up to 3
  * leading sizes; t, the tables (cos and sin alike; 0 where they broadcast) and out have their own strides
@@ -255,28 +160,54 @@ int kiln_rope(const void *t, int t_dt, const int64_t *t_strides, const void *cs,
         share(rows, &lo, &hi);
         /* walk the three indices along this thread's rows: no division per row */
         int64_t i2 = lo % sizes[2], i1 = (lo / sizes[2]) % sizes[1], i0 = lo / (sizes[2] * sizes[1]);
+        int64_t tab_at = -1;                      /* the table row in cb/sb: heads share one (stride 0) */
+        const float *c = NULL, *sv = NULL;
+        const int bf16_rows = t_dt == BF16 && out_dt == BF16;
         for (int64_t r = lo; r < hi; r++) {
 #define AT(st) (i0 * (st)[0] + i1 * (st)[1] + i2 * (st)[2])
-            const float *x = in_row(xb, elem(t, t_dt, AT(t_strides)), t_dt, d);
-            const float *c = in_row(cb, elem(cs, tab_dt, AT(tab_strides)), tab_dt, d);
-            const float *sv = in_row(sb, elem(sn, tab_dt, AT(tab_strides)), tab_dt, d);
-            float *o = out_row(ob, elem_out(out, out_dt, AT(out_strides)), out_dt);
-            if (!backward) {
+            if (AT(tab_strides) != tab_at) {
+                tab_at = AT(tab_strides);
+                c = in_row(cb, elem(cs, tab_dt, tab_at), tab_dt, d);
+                sv = in_row(sb, elem(sn, tab_dt, tab_at), tab_dt, d);
+            }
+            if (bf16_rows) {                      /* converted in registers: no staged fp32 rows */
+                const uint16_t *x = (const uint16_t *)t + AT(t_strides);
+                uint16_t *o = (uint16_t *)out + AT(out_strides);
+                if (!backward) {
 #pragma omp simd
-                for (int64_t j = 0; j < h; j++) {
-                    float a = x[j], b = x[j + h];
-                    o[j] = a * c[j] - b * sv[j];
-                    o[j + h] = b * c[j + h] + a * sv[j + h];
+                    for (int64_t j = 0; j < h; j++) {
+                        float a = bf16_f(x[j]), b = bf16_f(x[j + h]);
+                        o[j] = f_bf16(a * c[j] - b * sv[j]);
+                        o[j + h] = f_bf16(b * c[j + h] + a * sv[j + h]);
+                    }
+                } else {
+#pragma omp simd
+                    for (int64_t j = 0; j < h; j++) {
+                        float a = bf16_f(x[j]), b = bf16_f(x[j + h]);
+                        o[j] = f_bf16(a * c[j] + b * sv[j + h]);
+                        o[j + h] = f_bf16(b * c[j + h] - a * sv[j]);
+                    }
                 }
             } else {
+                const float *x = in_row(xb, elem(t, t_dt, AT(t_strides)), t_dt, d);
+                float *o = out_row(ob, elem_out(out, out_dt, AT(out_strides)), out_dt);
+                if (!backward) {
 #pragma omp simd
-                for (int64_t j = 0; j < h; j++) {
-                    float a = x[j], b = x[j + h];
-                    o[j] = a * c[j] + b * sv[j + h];
-                    o[j + h] = b * c[j + h] - a * sv[j];
+                    for (int64_t j = 0; j < h; j++) {
+                        float a = x[j], b = x[j + h];
+                        o[j] = a * c[j] - b * sv[j];
+                        o[j + h] = b * c[j + h] + a * sv[j + h];
+                    }
+                } else {
+#pragma omp simd
+                    for (int64_t j = 0; j < h; j++) {
+                        float a = x[j], b = x[j + h];
+                        o[j] = a * c[j] + b * sv[j + h];
+                        o[j + h] = b * c[j + h] - a * sv[j];
+                    }
                 }
+                out_done(elem_out(out, out_dt, AT(out_strides)), out_dt, o, d);
             }
-            out_done(elem_out(out, out_dt, AT(out_strides)), out_dt, o, d);
 #undef AT
             if (++i2 == sizes[2]) {
                 i2 = 0;

@@ -1,3 +1,158 @@
+/* RMSNorm's forward and backward, and LayerNorm's backward (below). Compiled as part of native.c. */
+
+/* ---- a float32 row's sum of squares in the order ATen's CPU `x.pow(2).sum(-1)` adds them ---------------
+ * ATen's cascade sum of a contiguous row (SumKernel): vectors of `lanes` floats, four abreast; every 16 rounds of
+ * four the running level is carried into the next of four levels (a carry stops at the first level whose index
+ * bits are not all zero), the levels then folded into the first, leftover vectors added to the first of the four,
+ * the four folded in order; a scalar running sum of the elements past the last whole vector, then the lanes in
+ * order. Every square is rounded to float32 before it is added (no contraction: -std=c11). Bit for bit ATen's on
+ * the tested lane widths (8: AVX2 and the AVX-512 build of this torch, 16), rows >= 16 long: norms.py checks that on
+ * this machine before it uses it (`_aten_lanes`), so the statistics stay eager's own. */
+#define SQ_LEVELS 4
+#define SQ_ILP 4
+#define SQ_STEP 16
+static inline float sumsq_ordered(const float *restrict x, int64_t d, const int lanes) {
+    float acc[SQ_LEVELS][SQ_ILP][16];
+    memset(acc, 0, sizeof acc);
+    int64_t nv = d / lanes, n4 = nv / SQ_ILP, i = 0;
+    while (i + SQ_STEP <= n4) {
+        for (int j = 0; j < SQ_STEP; j++, i++)
+            for (int k = 0; k < SQ_ILP; k++) {
+                const float *v = x + (i * SQ_ILP + k) * lanes;
+                for (int l = 0; l < lanes; l++) acc[0][k][l] += v[l] * v[l];
+            }
+        for (int lv = 1; lv < SQ_LEVELS; lv++) {
+            for (int k = 0; k < SQ_ILP; k++)
+                for (int l = 0; l < lanes; l++) {
+                    acc[lv][k][l] += acc[lv - 1][k][l];
+                    acc[lv - 1][k][l] = 0.0f;
+                }
+            if (i & ((int64_t)(SQ_STEP - 1) << (lv * 4))) break;
+        }
+    }
+    for (; i < n4; i++)
+        for (int k = 0; k < SQ_ILP; k++) {
+            const float *v = x + (i * SQ_ILP + k) * lanes;
+            for (int l = 0; l < lanes; l++) acc[0][k][l] += v[l] * v[l];
+        }
+    for (int lv = 1; lv < SQ_LEVELS; lv++)
+        for (int k = 0; k < SQ_ILP; k++)
+            for (int l = 0; l < lanes; l++) acc[0][k][l] += acc[lv][k][l];
+    for (int64_t r = n4 * SQ_ILP; r < nv; r++)
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += x[r * lanes + l] * x[r * lanes + l];
+    for (int k = 1; k < SQ_ILP; k++)
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (int64_t j = nv * lanes; j < d; j++) total += x[j] * x[j];
+    for (int l = 0; l < lanes; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* the two lane widths as their own functions: the lane loops get constant trip counts (and vectorize) */
+static float sumsq_lanes8(const float *x, int64_t d) { return sumsq_ordered(x, d, 8); }
+static float sumsq_lanes16(const float *x, int64_t d) { return sumsq_ordered(x, d, 16); }
+
+/* ---- RMSNorm ---------------------------------------------------------------------------------------
+ * s = x (+ residual, rounded to sum_dt when the sum is written); rstd by `stats`: 0 computed, 1/sqrt(mean(s^2) +
+ * eps) with the squares summed in double (half-type sums); 1 read from `rstd` (computed by the caller); 8 or 16
+ * eager's own float32 statistics, `x.pow(2).mean(-1).add(eps).rsqrt()` as ATen computes them, the sum in ATen's
+ * order for that lane width (sumsq_ordered), over the mean as ATen divides, plus eps in float32. out = s * rstd *
+ * weight, in out_dt. Contiguous rows x d. */
+int kiln_rms_forward(const void *x, int x_dt, const void *res, int res_dt, const void *w, int w_dt, void *out,
+                     int out_dt, void *sum, int sum_dt, float *rstd, int stats, int64_t rows, int64_t d,
+                     double eps, int threads) {
+    if (d > ROW_MAX || (stats > 1 && stats != 8 && stats != 16)) return -1;
+    float wbuf[ROW_MAX];
+    const float *wf = in_row(wbuf, w, w_dt, d);
+#pragma omp parallel num_threads(threads)
+    {
+        float sb[ROW_MAX], tb[ROW_MAX], ob[ROW_MAX];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *s = in_row(sb, elem(x, x_dt, r * d), x_dt, d);
+            if (res) {
+                const float *t = in_row(tb, elem(res, res_dt, r * d), res_dt, d);
+                float *sum_row = out_row(sb, elem_out(sum, sum_dt, r * d), sum_dt);
+#pragma omp simd
+                for (int64_t j = 0; j < d; j++) sum_row[j] = s[j] + t[j];
+                round_to(sum_row, sum_dt, d);
+                out_done(elem_out(sum, sum_dt, r * d), sum_dt, sum_row, d);
+                s = sum_row;
+            }
+            float k = rstd[r];
+            if (stats == 0) {
+                double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t j = 0; j < d; j++) acc += (double)s[j] * (double)s[j];
+                k = 1.0f / sqrtf((float)(acc / (double)d) + (float)eps);
+                rstd[r] = k;
+            } else if (stats != 1) {
+                float total = stats == 16 ? sumsq_lanes16(s, d) : sumsq_lanes8(s, d);
+                k = 1.0f / sqrtf(total / (float)d + (float)eps);
+                rstd[r] = k;
+            }
+            float *o = out_row(ob, elem_out(out, out_dt, r * d), out_dt);
+#pragma omp simd
+            for (int64_t j = 0; j < d; j++) o[j] = s[j] * k * wf[j];
+            out_done(elem_out(out, out_dt, r * d), out_dt, o, d);
+        }
+    }
+    return 0;
+}
+
+/* grad_s = rstd * (g*w - s * rstd^2 * dot / d) (+ grad_sum), dot = sum_j g w s; grad_w = sum_rows g s rstd;
+ * gi_low (optional): grad_s rounded to low_dt as well. partial: threads x d doubles of scratch. */
+int kiln_rms_backward(const void *g, int g_dt, const void *gsum, int gsum_dt, const void *s_in, int s_dt,
+                      const void *w, int w_dt, const float *rstd, void *gi, int gi_dt, void *gw, int gw_dt,
+                      void *gi_low, int low_dt, double *partial, int64_t rows, int64_t d, int threads) {
+    if (d > ROW_MAX) return -1;
+    float wbuf[ROW_MAX];
+    const float *wf = in_row(wbuf, w, w_dt, d);
+    memset(partial, 0, sizeof(double) * (size_t)threads * (size_t)d);
+#pragma omp parallel num_threads(threads)
+    {
+        float gb[ROW_MAX], sb[ROW_MAX], hb[ROW_MAX], ob[ROW_MAX];
+        int64_t lo, hi;
+        share(rows, &lo, &hi);
+        double *acc_w = partial + (size_t)thread_index() * (size_t)d;
+        for (int64_t r = lo; r < hi; r++) {
+            const float *gr = in_row(gb, elem(g, g_dt, r * d), g_dt, d);
+            const float *sr = in_row(sb, elem(s_in, s_dt, r * d), s_dt, d);
+            float k = rstd[r];
+            double dot = 0.0;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t j = 0; j < d; j++) {
+                float p = gr[j] * sr[j];
+                dot += (double)p * (double)wf[j];
+                acc_w[j] += (double)p * (double)k;
+            }
+            float coef = (float)(dot * (double)k * (double)k / (double)d);
+            float *t = out_row(ob, elem_out(gi, gi_dt, r * d), gi_dt);
+            if (gsum) {
+                const float *h = in_row(hb, elem(gsum, gsum_dt, r * d), gsum_dt, d);
+#pragma omp simd
+                for (int64_t j = 0; j < d; j++) t[j] = (gr[j] * wf[j] - sr[j] * coef) * k + h[j];
+            } else {
+#pragma omp simd
+                for (int64_t j = 0; j < d; j++) t[j] = (gr[j] * wf[j] - sr[j] * coef) * k;
+            }
+            out_done(elem_out(gi, gi_dt, r * d), gi_dt, t, d);
+            if (gi_low) {                 /* the same gradient in a narrower dtype too: rounded from gi's value */
+                if (gi_dt != F32) load(ob, elem(gi, gi_dt, r * d), gi_dt, d);
+                store(elem_out(gi_low, low_dt, r * d), low_dt, gi_dt == F32 ? t : ob, d);
+            }
+        }
+    }
+    float total[ROW_MAX];
+    for (int64_t j = 0; j < d; j++) {
+        double a = 0.0;
+        for (int m = 0; m < threads; m++) a += partial[(size_t)m * (size_t)d + (size_t)j];
+        total[j] = (float)a;
+    }
+    store(gw, gw_dt, total, d);
+    return 0;
+}
+
 /* kiln_ln_backward: LayerNorm's backward over the last dimension in one pass per row, with the gradient sums
  * a transformer's backward puts on either side of it.
  *

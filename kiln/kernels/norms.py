@@ -8,6 +8,7 @@ output the caller keeps anyway) and LayerNorm's per-row mean/rstd.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -45,39 +46,83 @@ def _out_dtype(s_dtype: torch.dtype, weight: Tensor, out_dtype: Optional[torch.d
 def _rms_native(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, out_dtype: Optional[torch.dtype]):
     """(out, sum or None, rstd) by native.c's single pass, or None where it does not apply.
 
-    A float32 sum keeps eager's own statistics: rstd is `s.pow(2).mean(-1)` in ATen, so the output is bitwise
-    eager's `s * rsqrt(mean(s^2) + eps) * w` (then rounded once to `out_dtype`). Any other summation order
-    rounds rstd differently, and an ill-conditioned weight gradient (cpmant's) amplified a single pass's
-    rounding to 3e-5 of its largest entry beyond eager's own float32 error against float64 (1.2e-5 with
-    eager's statistics). With eager's statistics and a float32 output the single pass saves nothing, so that
-    case runs the composition. Half-type sums, rounded far more coarsely, are reduced in double."""
+    A float32 sum keeps eager's own statistics: rstd is bitwise `s.pow(2).mean(-1)` as ATen computes it, so the
+    output is bitwise eager's `s * rsqrt(mean(s^2) + eps) * w` (then rounded once to `out_dtype`). Any other
+    summation order rounds rstd differently, and an ill-conditioned weight gradient (cpmant's) amplified a single
+    pass's rounding to 3e-5 of its largest entry beyond eager's own float32 error against float64 (1.2e-5 with
+    eager's statistics). The pass sums the squares in ATen's own order where this machine's ATen was checked to
+    sum that way (`_aten_lanes`: rows of at least 16, more than one row); elsewhere ATen computes the statistics
+    first (and a float32 output, where that pass would save nothing, runs the composition). Half-type sums,
+    rounded far more coarsely, are reduced in double."""
     d = x.shape[-1] if x.dim() else 0
     s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     o_dtype = _out_dtype(s_dtype, weight, out_dtype)
     given = s_dtype == torch.float32
     lib = native.usable(x, residual, weight) if native.supports(o_dtype) else None
-    if lib is None or not 0 < d <= native.ROW_MAX or weight.numel() != d or (given and o_dtype == torch.float32):
+    if lib is None or not 0 < d <= native.ROW_MAX or weight.numel() != d:
+        return None
+    rows = x.numel() // d
+    lanes = _aten_lanes() if given and d >= LANES_MIN_D and rows > 1 else None
+    if given and lanes is None and o_dtype == torch.float32:
         return None
     x, w = x.contiguous(), weight.contiguous()
     s = None
     if residual is not None:
-        if given:                                    # eager's fp32 add, read below as the input
+        if given and lanes is None:                  # eager's fp32 add, read below as the input
             s = torch.add(x, residual)
             x, residual = s, None
         else:
             residual = residual.contiguous()
             s = torch.empty(x.shape, dtype=s_dtype)
     src = s if s is not None else x
-    rstd = (src.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_() if given
+    stats = 0 if not given else (lanes or 1)
+    rstd = (src.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_() if stats == 1
             else torch.empty(_stat_shape(x), dtype=torch.float32))
     out = torch.empty(x.shape, dtype=o_dtype)
     writes_sum = residual is not None
     native.check(lib.kiln_rms_forward(
         x.data_ptr(), native.code(x), native.ptr(residual), native.code(residual) if writes_sum else 0,
         w.data_ptr(), native.code(w), out.data_ptr(), native.code(out), native.ptr(s) if writes_sum else None,
-        native.code(s) if writes_sum else 0, rstd.data_ptr(), int(given), x.numel() // d, d, float(eps),
+        native.code(s) if writes_sum else 0, rstd.data_ptr(), stats, rows, d, float(eps),
         native.threads()), "rms_norm")
     return out, s, rstd
+
+
+LANES_MIN_D = 16            # shorter rows: ATen sums them another way (its scalar loop), not checked here
+_PROBE_D = (16, 17, 31, 64, 100, 511, 512, 1000, 1408, 2048, 4096, 5003, 8192)
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_lanes() -> Optional[int]:
+    """The lane width (8 or 16) with which native.c's ordered sum of squares gives, bit for bit, this process's
+    ATen statistics `x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()` of float32 rows; None if neither does
+    (another torch, another vector build): eager's statistics are then computed by ATen. Checked once per
+    process on rows of several lengths and magnitudes, with the kernel itself."""
+    lib = native.library()
+    if lib is None:
+        return None
+    gen = torch.Generator().manual_seed(20261207)
+    cases = []
+    for d in _PROBE_D:
+        scale = torch.logspace(-4, 4, 5, dtype=torch.float64).to(torch.float32).unsqueeze(1)
+        x = torch.randn(5, d, generator=gen) * scale
+        x[2, : d // 3] = 0.0                                      # a row with exact zeros
+        cases.append(x)
+    w = torch.ones(max(_PROBE_D))
+    for lanes in (8, 16):
+        ok = True
+        for x in cases:
+            for eps in (1e-6, 1e-5):
+                want = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+                got = torch.empty_like(want)
+                out = torch.empty_like(x)
+                rows, d = x.shape
+                status = lib.kiln_rms_forward(x.data_ptr(), 0, None, 0, w.data_ptr(), 0, out.data_ptr(), 0, None, 0,
+                                              got.data_ptr(), lanes, rows, d, eps, native.threads())
+                ok = ok and status == 0 and torch.equal(got, want)
+        if ok:
+            return lanes
+    return None
 
 
 @torch.library.custom_op("kiln::rms_norm", mutates_args=())

@@ -47,7 +47,10 @@ def vjp_add_rms_norm(b, n, g_out, g_sum, _g_rstd=None):
 
 
 defop(kiln_ops.rms_norm.default, vjp_rms_norm, Kind.NORM, F32, out_dtype=(0,), rows=last_dim_rows(0))
-defop(kiln_ops.add_rms_norm.default, vjp_add_rms_norm, Kind.NORM, F32, out_dtype=(0,), rows=last_dim_rows(0, 1))
+# the sum in the inputs' promoted dtype, as the add it replaces (`kiln` dialect's add_rms_norm fusion): reads mixed
+# inputs as they are (a float32 residual stream and a bf16 branch, widened exactly inside), statistics in fp32
+defop(kiln_ops.add_rms_norm.default, vjp_add_rms_norm, Kind.NORM, FOLLOW, promotes=True, out_dtype=(0,),
+      rows=last_dim_rows(0, 1))
 # reads a bf16 output gradient as it is (converted exactly inside): no widening cast before it; writes its
 # fp32 input gradient in bf16 too where a cast of it feeds a bf16 matmul's backward (the residual branch);
 # adds the residual stream's other gradient to its own (grad_sum) where the graph added them

@@ -5,7 +5,8 @@ builder emitting the fused op. Fusions are tried in priority order; each one sca
 end (so the largest match claims its nodes first), groups its matches when it asks to, and replaces
 every accepted match. A match is refused, leaving the graph as it was, when:
 - one of its inner nodes (all but the root) has a user outside the match or is a step output: fusing
-  would have to compute it twice;
+  would have to compute it twice (unless the fusion names that value `shared` and its builder gives the value
+  that replaces it: a residual sum the fused op writes too);
 - an inner node has side effects or draws random numbers (the fused op would change the RNG stream);
 - for a group, a user of an earlier root's outputs comes before the place the fused op goes;
 - the builder declines (returns None) or fails; a failure is logged as a warning, never a wrong graph.
@@ -43,7 +44,7 @@ def _apply(graph: Graph, f: registry.Fusion) -> int:
         if n.uid in taken:
             continue
         m = match(f.pattern, n)
-        if m is None or not _self_contained(m, users, live) or any(x.uid in taken for x in m.nodes):
+        if m is None or not _self_contained(m, users, live, _shared(m, f)) or any(x.uid in taken for x in m.nodes):
             continue
         taken.update(x.uid for x in m.nodes)
         found.append(m)
@@ -57,7 +58,7 @@ def _apply(graph: Graph, f: registry.Fusion) -> int:
     fused = 0
     for group in groups:
         at = max(pos[m.root.uid] for m in group)
-        if not _placeable(group, at, users, pos):
+        if not _placeable(group, at, users, pos, _shared(group[0], f)):
             log.debug("kiln: fusion %s: a user comes before the fused op's place; not fused", f.label)
             continue
         anchor = graph.nodes[at]
@@ -70,6 +71,14 @@ def _apply(graph: Graph, f: registry.Fusion) -> int:
             continue
         if results is None:
             continue
+        exported: dict[Value, Value] = {}
+        if f.shared:                              # (root's replacement, {name: replacement}) per match
+            (root, named), = results
+            results = [root]
+            exported = {group[0][name]: new for name, new in named.items()}
+            if set(exported) != _shared(group[0], f):
+                log.debug("kiln: fusion %s gives no value for a shared inner value; not fused", f.label)
+                continue
         covered = sorted((x for m in group for x in m.nodes), key=lambda x: pos[x.uid])
         record = Fused(f.label, tuple(x.op.name for x in covered))
         for new in b.dest:
@@ -79,6 +88,7 @@ def _apply(graph: Graph, f: registry.Fusion) -> int:
             log.debug("kiln: fusion %s gives no value for a used output; not fused", f.label)
             continue
         subst.update(replaced)
+        subst.update(exported)
         for m in group:
             removed.update(x.uid for x in m.nodes)
         inserts[at] = b.dest
@@ -113,12 +123,19 @@ def _replacements(group: list[Match], results, users: dict, live: set) -> dict[V
     return out
 
 
-def _self_contained(m: Match, users: dict, live: set) -> bool:
+def _shared(m: Match, f: registry.Fusion) -> set:
+    """The inner values of `m` that `f` lets escape the match (`Fusion.shared`)."""
+    return {m[name] for name in f.shared if name in m.bindings}
+
+
+def _self_contained(m: Match, users: dict, live: set, shared: set = frozenset()) -> bool:
     inside = {x.uid for x in m.nodes}
     for x in m.nodes[1:]:
         if x.op.side_effects or x.op.kind is Kind.RANDOM:
             return False
         for o in x.outputs:
+            if o in shared:
+                continue
             if o in live or any(u.uid not in inside for u in users.get(o, ())):
                 return False
     return True
@@ -137,8 +154,9 @@ def _group(found: list[Match], f: registry.Fusion) -> list[list[Match]]:
     return [c for c in chunks if len(c) >= f.min_group]
 
 
-def _placeable(group: list[Match], at: int, users: dict, pos: dict) -> bool:
-    """The fused op goes at index `at` (the last root): every outside user of a root must come later."""
+def _placeable(group: list[Match], at: int, users: dict, pos: dict, shared: set = frozenset()) -> bool:
+    """The fused op goes at index `at` (the last root): every outside user of a root, and of a shared inner
+    value, must come later."""
     inside = {x.uid for m in group for x in m.nodes}
-    return all(pos[u.uid] > at for m in group for o in m.root.outputs for u in users.get(o, ())
-               if u.uid not in inside)
+    outs = [o for m in group for o in m.root.outputs] + list(shared)
+    return all(pos[u.uid] > at for o in outs for u in users.get(o, ()) if u.uid not in inside)

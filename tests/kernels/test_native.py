@@ -102,12 +102,60 @@ def test_rms_norm_forward_half_types_single_pass(monkeypatch):
     assert len(calls) == 2
 
 
-def test_rms_norm_forward_fp32_keeps_eager_statistics(monkeypatch):
-    """A float32 sum runs the composition (bitwise eager; see norms._rms_native)."""
+@pytest.mark.parametrize("d", [16, 17, 64, 100, 512, 1408, 4100, 8192])
+def test_rms_norm_forward_fp32_is_bitwise_eager_in_one_pass(d, monkeypatch):
+    """A float32 sum: the single pass sums the squares in ATen's order (`norms._aten_lanes`), so its statistics,
+    its output (bf16 or fp32) and the residual sum are eager's bit for bit, with no ATen op for the statistics;
+    rows of every magnitude, one with exact zeros."""
+    from kiln.kernels import norms
+    assert norms._aten_lanes() in (8, 16)          # both CI CPUs (and ATEN_CPU_CAPABILITY=default): 8
+    torch.manual_seed(d)
+    x = torch.randn(6, d) * torch.logspace(-3, 3, 6).unsqueeze(1)
+    x[1, : d // 2] = 0.0
+    r = torch.randn(6, d, dtype=torch.bfloat16)
+    w = torch.rand(d) + 0.5
     calls = _used(monkeypatch, "kiln_rms_forward")
-    x, w = torch.randn(8, 64), torch.rand(64) + 0.5
-    assert torch.equal(kiln_ops.rms_norm(x, w, 1e-6)[0], x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
-    assert not calls
+    stats = _counted_aten(monkeypatch, "pow")
+
+    def eager(s):
+        return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    for out_dtype in (None, torch.bfloat16):
+        out, rstd = kiln_ops.rms_norm(x, w, 1e-6, out_dtype)
+        want = eager(x)
+        assert torch.equal(out, want if out_dtype is None else want.bfloat16())
+        assert torch.equal(rstd, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        out, total, _ = kiln_ops.add_rms_norm(x, r, w, 1e-6, out_dtype)
+        s = x + r                                          # eager's float32 add
+        assert torch.equal(total, s) and total.dtype == torch.float32
+        assert torch.equal(out, eager(s) if out_dtype is None else eager(s).bfloat16())
+    assert len(calls) == 4 and not stats                   # the pass computed the statistics itself
+
+
+def test_rms_norm_forward_fp32_one_row_keeps_aten_statistics(monkeypatch):
+    """One row (ATen splits its sum over threads) or rows shorter than 16 (ATen's scalar loop): ATen computes the
+    statistics, the output is still eager's."""
+    x1, w1 = torch.randn(1, 700) * 5, torch.rand(700) + 0.5
+    x2, w2 = torch.randn(9, 12), torch.rand(12) + 0.5
+    stats = _counted_aten(monkeypatch, "pow")
+    for x, w in ((x1, w1), (x2, w2)):
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        assert torch.equal(kiln_ops.rms_norm(x, w, 1e-6, torch.bfloat16)[0], want.bfloat16())
+    assert len(stats) == 2                                  # the kernel asked ATen, once a call
+
+
+def _counted_aten(monkeypatch, method: str) -> list:
+    """Calls of Tensor.<method> from kiln.kernels.norms, counted (its ATen statistics)."""
+    from kiln.kernels import norms
+    calls = []
+    real = getattr(torch.Tensor, method)
+
+    def counting(self, *a, **k):
+        import inspect
+        if inspect.currentframe().f_back.f_globals.get("__name__") == norms.__name__:
+            calls.append(1)
+        return real(self, *a, **k)
+    monkeypatch.setattr(torch.Tensor, method, counting)
+    return calls
 
 
 def _rotate_half(t):

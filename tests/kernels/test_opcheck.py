@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kiln.kernels as K
+from kiln.kernels._common import direct
 from tests.kernels.refs import strided, transposed
 
 k = torch.ops.kiln
@@ -128,6 +129,40 @@ SAMPLES = samples()
 def test_opcheck(sample):
     _, op, args, utils = sample
     torch.library.opcheck(op, args, test_utils=utils)
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s[0] for s in SAMPLES])
+def test_direct_call_matches_the_dispatcher(sample):
+    """What the generated step calls (the op's body, `direct`) returns what the op returns through the dispatcher,
+    bit for bit (random ops from the same seed)."""
+    _, op, args, _ = sample
+    body = direct(op)
+    assert body is not None
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    torch.manual_seed(0)
+    want = op(*detached)
+    torch.manual_seed(0)
+    got = body(*detached)
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    assert len(want) == len(got)
+    for w, g in zip(want, got):
+        assert w.dtype == g.dtype and w.shape == g.shape and torch.equal(w, g)
+
+
+def test_direct_call_refuses_an_aliased_output(monkeypatch):
+    """A body returning an input (or one tensor twice) is an error, as it is through the dispatcher."""
+    from torch._library.custom_ops import OPDEFS
+    opdef = OPDEFS["kiln::rope"]
+    x = torch.randn(2, 3, 4)
+    monkeypatch.setattr(opdef, "_init_fn", lambda q, k, cos, sin, out_dtype=None: (q, k.clone()))
+    with pytest.raises(RuntimeError, match="kiln::rope: an output aliases an input"):
+        direct(K.OPS["rope"])(x, x.clone(), x, x)
+    monkeypatch.setattr(opdef, "_init_fn", lambda q, k, cos, sin, out_dtype=None: (q[0].clone(),) * 2)
+    with pytest.raises(RuntimeError, match="aliases an input or another output"):
+        direct(K.OPS["rope"])(x, x.clone(), x, x)
+    monkeypatch.setattr(opdef, "_init_fn", lambda q, k, cos, sin, out_dtype=None: (q.clone(), k.clone()))
+    a, b = direct(K.OPS["rope"])(x, x, x, x)
+    assert torch.equal(a, x) and torch.equal(b, x)
 
 
 def test_every_op_has_samples():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import kiln.kernels as K
+from kiln.kernels import native
 from tests.kernels import refs
 from tests.kernels.refs import BF16, FP32, FP64, check
 
@@ -71,3 +72,36 @@ def test_rope_rejects_bad_shapes(bad):
     cos = torch.randn(4, 7 if bad == "odd" else 6)
     with pytest.raises((ValueError, RuntimeError)):
         K.rope(q, q, cos, cos)
+
+
+def _rotated_fp32(t, cos, sin, backward=False):
+    """The rotation computed in fp32 by ATen, as the kernel computes it (products, then one add), unrounded."""
+    t, cos, sin = t.float(), cos.float(), sin.float()
+    h = t.shape[-1] // 2
+    a, b = t[..., :h], t[..., h:]
+    if backward:
+        return torch.cat([a * cos[..., :h] + b * sin[..., h:], b * cos[..., h:] - a * sin[..., :h]], -1)
+    return torch.cat([a * cos[..., :h] - b * sin[..., :h], b * cos[..., h:] + a * sin[..., h:]], -1)
+
+
+@pytest.mark.skipif(native.library() is None, reason="native.c's loop (the ATen composition rounds in between)")
+@pytest.mark.parametrize("tables", ["shared-by-heads", "per-head"])
+def test_rope_bf16_rounds_once_in_the_projection_layout(tables):
+    """bf16 q and k as a Llama layer makes them ((batch, seq, heads, dim) projections seen transposed), forward and
+    backward: the fp32 rotation rounded once, bit for bit, whether the heads share a table row (the kernel converts
+    it once for all of them) or each head has its own."""
+    b, t, h, d = 2, 6, 3, 64
+    q = torch.randn(b, t, h, d).bfloat16().transpose(1, 2)
+    k = torch.randn(b, t, h, d).bfloat16().transpose(1, 2)
+    if tables == "shared-by-heads":
+        cos, sin = (x.unsqueeze(1) for x in _tables(b, t, d, torch.bfloat16))
+    else:
+        cos, sin = torch.randn(b, h, t, d).bfloat16(), torch.randn(b, h, t, d).bfloat16()
+    qr, kr = K.OPS["rope"](q, k, cos, sin)
+    gq, gk = K.OPS["rope_backward"](q, k, cos, sin)
+    for got, x, backward in ((qr, q, False), (kr, k, False), (gq, q, True), (gk, k, True)):
+        assert got.dtype == torch.bfloat16 and got.stride() == x.stride()
+        assert torch.equal(got, _rotated_fp32(x, cos, sin, backward).bfloat16())
+    # fp32 tables with bf16 q (the staged path), rounded to bf16 once
+    qr32, _ = K.OPS["rope"](q, k, cos.float(), sin.float(), torch.bfloat16)
+    assert torch.equal(qr32, _rotated_fp32(q, cos, sin).bfloat16())
