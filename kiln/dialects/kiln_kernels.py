@@ -1,7 +1,7 @@
 """The `kiln` dialect: Kiln's fused kernel library (`kiln.kernels`, custom ops `torch.ops.kiln.*`).
 
 Each op's kernel is the custom op's Python body, called directly by the generated step (`direct`: not
-through the dispatcher, which costs about 75 us a call): on CPU its ATen implementation or native loops, on
+through the dispatcher, which costs about 15 us a call): on CPU its ATen implementation or native loops, on
 CUDA the implementation registered in `kiln.kernels.GPU_IMPLS` (the ATen one until then). A model opts in
 by calling `kiln.kernels.*` (capture keeps those calls as single nodes), or the dialect's fusions
 below turn unfused code into these ops (written-out RMSNorm, RoPE pairs, SwiGLU, a large-vocabulary

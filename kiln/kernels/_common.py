@@ -46,8 +46,8 @@ def direct(op: torch._ops.OpOverload) -> Callable | None:
     than that body for the op (a kernel for one device type, a torch_dispatch rule, a vmap rule).
 
     Through the dispatcher a call of these ops takes its autograd wrapper, a redispatch, dynamo's disable frame
-    and the backend wrapper around the body: about 75 us a call on the EPYC against 3 us for an ATen add, 36
-    calls a Llama bench step. What the dispatcher checked here is checked the same way: no output may alias
+    and the backend wrapper around the body: about 15 us a call on the EPYC (rms_norm of a tiny input: 43.8
+    against 27.6 us), 36 calls a Llama bench step. What the dispatcher checked here is checked the same way: no output may alias
     an input or another output (torch's custom-op rule; the generated step frees and overwrites values by
     that assumption), else RuntimeError naming the op."""
     try:
