@@ -145,9 +145,11 @@ static inline float exp_approx(float x) {
 }
 
 /* ---- rotary embedding (rotate_half): out1 = t1 c1 - t2 s1, out2 = t2 c2 + t1 s2 ---------------------
- * The backward is the transpose: g1' = g1 c1 + g2 s2, g2' = g2 c2 - g1 s1. Rows are indexed by up to 3
- * leading sizes; t, the tables (cos and sin alike; 0 where they broadcast) and out have their own strides
- * over those, and a dense last dimension of d. */
+ * The backward is the transpose: g1' = g1 c1 + g2 s2, g2' = g2 c2 - g1 s1, which is the forward with the sine
+ * halves swapped and negated (exactly: x - (-y) is x + y), so one loop does both: out1 = t1 c1 - t2 p, out2 = t2
+ * c2 + t1 q with (p, q) = (s1, s2) forward and (-s2, -s1) backward, made once per table row. Rows are indexed by
+ * up to 3 leading sizes; t, the tables (cos and sin alike; 0 where they broadcast, as over the heads: the row
+ * converted for one serves the next) and out have their own strides over those, and a dense last dimension of d. */
 int kiln_rope(const void *t, int t_dt, const int64_t *t_strides, const void *cs, const void *sn, int tab_dt,
               const int64_t *tab_strides, void *out, int out_dt, const int64_t *out_strides, const int64_t *sizes,
               int64_t d, int backward, int threads) {
@@ -155,56 +157,42 @@ int kiln_rope(const void *t, int t_dt, const int64_t *t_strides, const void *cs,
     int64_t rows = sizes[0] * sizes[1] * sizes[2], h = d / 2;
 #pragma omp parallel num_threads(threads)
     {
-        float xb[ROW_MAX], cb[ROW_MAX], sb[ROW_MAX], ob[ROW_MAX];
+        float xb[ROW_MAX], cb[ROW_MAX], sb[ROW_MAX], pq[ROW_MAX], ob[ROW_MAX];
         int64_t lo, hi;
         share(rows, &lo, &hi);
         /* walk the three indices along this thread's rows: no division per row */
         int64_t i2 = lo % sizes[2], i1 = (lo / sizes[2]) % sizes[1], i0 = lo / (sizes[2] * sizes[1]);
-        int64_t tab_at = -1;                      /* the table row in cb/sb: heads share one (stride 0) */
-        const float *c = NULL, *sv = NULL;
+        int64_t tab_at = -1;                      /* the table row in c and pq */
+        const float *c = NULL, *ps = pq, *qs = pq + h;
         const int bf16_rows = t_dt == BF16 && out_dt == BF16;
         for (int64_t r = lo; r < hi; r++) {
 #define AT(st) (i0 * (st)[0] + i1 * (st)[1] + i2 * (st)[2])
             if (AT(tab_strides) != tab_at) {
                 tab_at = AT(tab_strides);
                 c = in_row(cb, elem(cs, tab_dt, tab_at), tab_dt, d);
-                sv = in_row(sb, elem(sn, tab_dt, tab_at), tab_dt, d);
+                const float *sv = in_row(sb, elem(sn, tab_dt, tab_at), tab_dt, d);
+                for (int64_t j = 0; j < h; j++) {
+                    pq[j] = backward ? -sv[j + h] : sv[j];
+                    pq[j + h] = backward ? -sv[j] : sv[j + h];
+                }
             }
             if (bf16_rows) {                      /* converted in registers: no staged fp32 rows */
                 const uint16_t *x = (const uint16_t *)t + AT(t_strides);
                 uint16_t *o = (uint16_t *)out + AT(out_strides);
-                if (!backward) {
 #pragma omp simd
-                    for (int64_t j = 0; j < h; j++) {
-                        float a = bf16_f(x[j]), b = bf16_f(x[j + h]);
-                        o[j] = f_bf16(a * c[j] - b * sv[j]);
-                        o[j + h] = f_bf16(b * c[j + h] + a * sv[j + h]);
-                    }
-                } else {
-#pragma omp simd
-                    for (int64_t j = 0; j < h; j++) {
-                        float a = bf16_f(x[j]), b = bf16_f(x[j + h]);
-                        o[j] = f_bf16(a * c[j] + b * sv[j + h]);
-                        o[j + h] = f_bf16(b * c[j + h] - a * sv[j]);
-                    }
+                for (int64_t j = 0; j < h; j++) {
+                    float a = bf16_f(x[j]), b = bf16_f(x[j + h]);
+                    o[j] = f_bf16(a * c[j] - b * ps[j]);
+                    o[j + h] = f_bf16(b * c[j + h] + a * qs[j]);
                 }
             } else {
                 const float *x = in_row(xb, elem(t, t_dt, AT(t_strides)), t_dt, d);
                 float *o = out_row(ob, elem_out(out, out_dt, AT(out_strides)), out_dt);
-                if (!backward) {
 #pragma omp simd
-                    for (int64_t j = 0; j < h; j++) {
-                        float a = x[j], b = x[j + h];
-                        o[j] = a * c[j] - b * sv[j];
-                        o[j + h] = b * c[j + h] + a * sv[j + h];
-                    }
-                } else {
-#pragma omp simd
-                    for (int64_t j = 0; j < h; j++) {
-                        float a = x[j], b = x[j + h];
-                        o[j] = a * c[j] + b * sv[j + h];
-                        o[j + h] = b * c[j + h] - a * sv[j];
-                    }
+                for (int64_t j = 0; j < h; j++) {
+                    float a = x[j], b = x[j + h];
+                    o[j] = a * c[j] - b * ps[j];
+                    o[j + h] = b * c[j + h] + a * qs[j];
                 }
                 out_done(elem_out(out, out_dt, AT(out_strides)), out_dt, o, d);
             }

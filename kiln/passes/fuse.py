@@ -9,7 +9,8 @@ every accepted match. A match is refused, leaving the graph as it was, when:
   that replaces it: a residual sum the fused op writes too);
 - an inner node has side effects or draws random numbers (the fused op would change the RNG stream);
 - for a group, a user of an earlier root's outputs comes before the place the fused op goes;
-- the builder declines (returns None) or fails; a failure is logged as a warning, never a wrong graph.
+- the builder declines (returns None) or fails, or returns another form than its fusion's; a failure is
+  logged as a warning, never a wrong graph.
 """
 from __future__ import annotations
 
@@ -73,7 +74,13 @@ def _apply(graph: Graph, f: registry.Fusion) -> int:
             continue
         exported: dict[Value, Value] = {}
         if f.shared:                              # (root's replacement, {name: replacement}) per match
-            (root, named), = results
+            try:
+                (root, named), = results
+                named = dict(named)
+            except (TypeError, ValueError):
+                log.warning("kiln: fusion %s returned %r, not [(root's values, {name: value})]; keeping the unfused "
+                            "ops", f.label, results)
+                continue
             results = [root]
             exported = {group[0][name]: new for name, new in named.items()}
             if set(exported) != _shared(group[0], f):

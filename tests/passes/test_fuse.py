@@ -245,22 +245,46 @@ def test_random_and_side_effect_ops_are_never_inside_a_fusion():
         del registry.DIALECTS["test_random"]
 
 
+def _fuse_with_only(g, caplog, dialect: str, name: str, pattern, build, **kw) -> int:
+    """`fuse` on g with a temporary dialect holding one fusion (removed afterwards), warnings captured."""
+    d = registry.dialect(dialect, priority=1, devices=("cpu",))
+    f = registry.fusion(d, name, pattern, build, priority=100, **kw)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kiln"):
+            return fuse(g, (dialect, "aten"), "forward")
+    finally:
+        registry._FUSIONS.remove(f)
+        del registry.DIALECTS[dialect]
+
+
 def test_a_failing_fusion_logs_a_warning_and_keeps_the_graph(caplog):
     x, w = torch.randn(4, 16), torch.randn(16)
     g = rms_graph(x, w)
-    d = registry.dialect("test_broken", priority=1, devices=("cpu",))
 
     def broken(b, matches):
         raise RuntimeError("no kernel today")
-    f = registry.fusion(d, "rms", registry.fusions(("kiln",), "forward")[0].pattern, broken, priority=100)
-    try:
-        with caplog.at_level(logging.WARNING, logger="kiln"):
-            assert fuse(g, ("test_broken", "aten"), "forward") == 0
-    finally:
-        registry._FUSIONS.remove(f)
-        del registry.DIALECTS["test_broken"]
+    assert _fuse_with_only(g, caplog, "test_broken", "rms", registry.fusions(("kiln",), "forward")[0].pattern,
+                           broken) == 0
     assert "fusion test_broken:rms failed" in caplog.text and "no kernel today" in caplog.text
     torch.testing.assert_close(run(g, x, w), rms_ref(x, w))
+
+
+def test_a_shared_fusion_returning_the_wrong_form_logs_and_keeps_the_graph(caplog):
+    """A fusion with shared values must return [(root's values, {name: value})]; anything else is logged and the
+    ops stay, never a half-rewired graph."""
+    x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.rand(32) + 0.5
+    g = residual_rms_graph(x, r, w)
+    want = run(residual_rms_graph(x, r, w), x, r, w)
+    before = [n.target for n in g.nodes]
+    shared = next(f for f in registry.fusions(("kiln",), "forward") if f.shared)
+
+    def plain_list(b, matches):                  # the form of a fusion without shared values
+        (m,) = matches
+        out, s, rstd = b(kiln_ops.add_rms_norm.default, m["x"], m["r"], m["w"], m["eps"])
+        return [[out, rstd]]
+    assert _fuse_with_only(g, caplog, "test_shared", "add_rms", shared.pattern, plain_list, shared=("sum",)) == 0
+    assert "fusion test_shared:add_rms returned" in caplog.text
+    assert [n.target for n in g.nodes] == before and torch.equal(run(g, x, r, w), want)
 
 
 # ---- whole models: fused where expected, trained like eager PyTorch --------------------------
