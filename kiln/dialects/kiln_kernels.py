@@ -272,3 +272,30 @@ for _pattern, _label in ((LN_BACKWARD_OF_SUM, "layer_norm_backward_of_sum"), (LN
     fusion(KILN, _label, _pattern, build_layer_norm_backward, phase="training", priority=10 if _pattern is
            LN_BACKWARD_OF_SUM else 5, doc="add + native_layer_norm_backward (+ the add after, + the bf16 cast of its "
            "result) in a mixed-precision step on the CPU -> kiln.layer_norm_backward (one pass per row)")
+
+
+# RMSNorm's backward reading its output gradient as the two terms the graph added (the input gradients of two
+# projections that read the norm's output: Llama's gate and up), and widened where autocast's backward widens the
+# sum for the fp32 norm: the kernel adds the terms as the add did (in fp32, rounded once to their dtype) and reads
+# the sum widened exactly, so it gets the graph's bits without the add's pass over three tensors or the cast's.
+RMS_BACKWARD_OF_SUM = Op(kiln_ops.rms_norm_backward.default,
+                         Opt(CAST, Op(aten.add.Tensor, T("g1"), T("g2"), Lit(1), name="g"), name="g_in"),
+                         V("gsum"), T("x"), T("w"), T("rstd"), V("low"), Lit(None))
+
+
+def build_rms_norm_backward_of_sum(b, matches):
+    (m,) = matches
+    g1, g2, g, g_in = m["g1"], m["g2"], m["g"], m["g_in"]
+    if any(v.meta is None for v in (g1, g2, g, g_in)) or not g1.meta.dtype == g2.meta.dtype == g.meta.dtype:
+        return None                # a promoting add: its sum is rounded to another dtype
+    if g_in is not g and not (_is_cast(g_in, torch.float32) and g.meta.dtype in (torch.bfloat16, torch.float16)):
+        return None                # only an exact widening between the sum and the norm's backward
+    if not (same(shape(g1), shape(g)) and same(shape(g2), shape(g))):
+        return None                # a broadcast addend
+    low = {} if m["low"] is None else {"low_dtype": m["low"]}      # keywords, as the later passes give them
+    outs = b(kiln_ops.rms_norm_backward.default, g1, m["gsum"], m["x"], m["w"], m["rstd"], grad_out2=g2, **low)
+    return [tuple(outs)[:len(m.root.outputs)]]
+
+fusion(KILN, "rms_norm_backward_of_sum", RMS_BACKWARD_OF_SUM, build_rms_norm_backward_of_sum, phase="training",
+       priority=10, doc="add + kiln.rms_norm_backward -> kiln.rms_norm_backward reading both terms (the sum rounded "
+       "as the add rounded it: the same bits, without the add's pass)")

@@ -100,10 +100,27 @@ int kiln_rms_forward(const void *x, int x_dt, const void *res, int res_dt, const
     return 0;
 }
 
-/* grad_s = rstd * (g*w - s * rstd^2 * dot / d) (+ grad_sum), dot = sum_j g w s; grad_w = sum_rows g s rstd;
- * gi_low (optional): grad_s rounded to low_dt as well. partial: threads x d doubles of scratch. */
-int kiln_rms_backward(const void *g, int g_dt, const void *gsum, int gsum_dt, const void *s_in, int s_dt,
-                      const void *w, int w_dt, const float *rstd, void *gi, int gi_dt, void *gw, int gw_dt,
+/* a + b (two rows of dtype dt) in fp32, rounded once to dt: what aten.add gives for two tensors of one dtype */
+static const float *load_sum(float *restrict dst, const void *a, const void *b, int dt, int64_t n) {
+    if (dt == F32) {
+        const float *x = (const float *)a, *y = (const float *)b;
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) dst[j] = x[j] + y[j];
+        return dst;
+    }
+    const uint16_t *x = (const uint16_t *)a, *y = (const uint16_t *)b;
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) dst[j] = bf16_f(f_bf16(bf16_f(x[j]) + bf16_f(y[j])));
+    return dst;
+}
+
+/* grad_s = rstd * (g*w - s * rstd^2 * dot / d) (+ grad_sum), dot = sum_j g w s (in double); grad_w = sum_rows
+ * g s rstd (fp32 over blocks of SUM_ROWS rows, the blocks added in double, per thread, then the threads in order,
+ * as kiln_ln_backward sums). g2 (optional, g's dtype): the output gradient is g + g2, added as aten.add adds two
+ * tensors of one dtype (in fp32, rounded once to that dtype) before anything reads it: the graph's bits, without
+ * the add's pass. gi_low (optional): grad_s rounded to low_dt as well. partial: threads x d doubles of scratch. */
+int kiln_rms_backward(const void *g, int g_dt, const void *g2, const void *gsum, int gsum_dt, const void *s_in,
+                      int s_dt, const void *w, int w_dt, const float *rstd, void *gi, int gi_dt, void *gw, int gw_dt,
                       void *gi_low, int low_dt, double *partial, int64_t rows, int64_t d, int threads) {
     if (d > ROW_MAX) return -1;
     float wbuf[ROW_MAX];
@@ -111,36 +128,43 @@ int kiln_rms_backward(const void *g, int g_dt, const void *gsum, int gsum_dt, co
     memset(partial, 0, sizeof(double) * (size_t)threads * (size_t)d);
 #pragma omp parallel num_threads(threads)
     {
-        float gb[ROW_MAX], sb[ROW_MAX], hb[ROW_MAX], ob[ROW_MAX];
+        float gb[ROW_MAX], sb[ROW_MAX], hb[ROW_MAX], ob[ROW_MAX], bw[ROW_MAX];
         int64_t lo, hi;
         share(rows, &lo, &hi);
         double *acc_w = partial + (size_t)thread_index() * (size_t)d;
-        for (int64_t r = lo; r < hi; r++) {
-            const float *gr = in_row(gb, elem(g, g_dt, r * d), g_dt, d);
-            const float *sr = in_row(sb, elem(s_in, s_dt, r * d), s_dt, d);
-            float k = rstd[r];
-            double dot = 0.0;
+        for (int64_t r0 = lo; r0 < hi; r0 += SUM_ROWS) {
+            int64_t r1 = hi - r0 < SUM_ROWS ? hi : r0 + SUM_ROWS;
+            memset(bw, 0, (size_t)d * sizeof(float));
+            for (int64_t r = r0; r < r1; r++) {
+                const float *gr = g2 ? load_sum(gb, elem(g, g_dt, r * d), elem(g2, g_dt, r * d), g_dt, d)
+                                     : in_row(gb, elem(g, g_dt, r * d), g_dt, d);
+                const float *sr = in_row(sb, elem(s_in, s_dt, r * d), s_dt, d);
+                float k = rstd[r];
+                double dot = 0.0;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t j = 0; j < d; j++) {
-                float p = gr[j] * sr[j];
-                dot += (double)p * (double)wf[j];
-                acc_w[j] += (double)p * (double)k;
-            }
-            float coef = (float)(dot * (double)k * (double)k / (double)d);
-            float *t = out_row(ob, elem_out(gi, gi_dt, r * d), gi_dt);
-            if (gsum) {
-                const float *h = in_row(hb, elem(gsum, gsum_dt, r * d), gsum_dt, d);
+                for (int64_t j = 0; j < d; j++) {
+                    float p = gr[j] * sr[j];
+                    dot += (double)p * (double)wf[j];
+                    bw[j] += p * k;
+                }
+                float coef = (float)(dot * (double)k * (double)k / (double)d);
+                float *t = out_row(ob, elem_out(gi, gi_dt, r * d), gi_dt);
+                if (gsum) {
+                    const float *h = in_row(hb, elem(gsum, gsum_dt, r * d), gsum_dt, d);
 #pragma omp simd
-                for (int64_t j = 0; j < d; j++) t[j] = (gr[j] * wf[j] - sr[j] * coef) * k + h[j];
-            } else {
+                    for (int64_t j = 0; j < d; j++) t[j] = (gr[j] * wf[j] - sr[j] * coef) * k + h[j];
+                } else {
 #pragma omp simd
-                for (int64_t j = 0; j < d; j++) t[j] = (gr[j] * wf[j] - sr[j] * coef) * k;
+                    for (int64_t j = 0; j < d; j++) t[j] = (gr[j] * wf[j] - sr[j] * coef) * k;
+                }
+                out_done(elem_out(gi, gi_dt, r * d), gi_dt, t, d);
+                if (gi_low) {             /* the same gradient in a narrower dtype too: rounded from gi's value */
+                    if (gi_dt != F32) load(ob, elem(gi, gi_dt, r * d), gi_dt, d);
+                    store(elem_out(gi_low, low_dt, r * d), low_dt, gi_dt == F32 ? t : ob, d);
+                }
             }
-            out_done(elem_out(gi, gi_dt, r * d), gi_dt, t, d);
-            if (gi_low) {                 /* the same gradient in a narrower dtype too: rounded from gi's value */
-                if (gi_dt != F32) load(ob, elem(gi, gi_dt, r * d), gi_dt, d);
-                store(elem_out(gi_low, low_dt, r * d), low_dt, gi_dt == F32 ? t : ob, d);
-            }
+#pragma omp simd
+            for (int64_t j = 0; j < d; j++) acc_w[j] += (double)bw[j];
         }
     }
     float total[ROW_MAX];

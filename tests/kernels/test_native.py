@@ -87,6 +87,33 @@ def test_rms_norm_backward(dtype, monkeypatch):
     assert calls
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_backward_of_two_terms_is_the_call_on_their_sum(dtype, monkeypatch):
+    """grad_out2: the kernel sums the terms as torch.add does (rounded once to their dtype), so every output is
+    the one-term call's on torch.add(g1, g2), bit for bit, natively and in the composition (that call's
+    numerics against float64 are test_rms_norm_backward's); with grad_sum and with a narrower copy."""
+    torch.manual_seed(0)
+    g1, g2 = (torch.randn(300, 96, dtype=dtype) for _ in range(2))
+    x, gs = torch.randn(300, 96), torch.randn(300, 96)
+    w = torch.rand(96) + 0.5
+    rstd = x.pow(2).mean(-1, keepdim=True).add_(1e-6).rsqrt_()
+    calls = _used(monkeypatch, "kiln_rms_backward")
+    for grad_sum, low in ((None, None), (gs, torch.bfloat16)):
+        for native_on in (True, False):
+            two = _run(lambda: kiln_ops.rms_norm_backward(g1, grad_sum, x, w, rstd, low, grad_out2=g2), native_on)
+            one = _run(lambda: kiln_ops.rms_norm_backward(torch.add(g1, g2), grad_sum, x, w, rstd, low), native_on)
+            assert all(torch.equal(a, b) for a, b in zip(two, one)), (grad_sum is None, native_on)
+    assert calls
+
+
+def test_rms_norm_backward_rejects_a_second_term_of_another_dtype_or_shape():
+    x, w = torch.randn(4, 8), torch.ones(8)
+    rstd, g = torch.ones(4, 1), torch.randn(4, 8)
+    for g2, first in ((g.bfloat16(), g), (torch.randn(8), g), (torch.randn(4, 8), None)):
+        with pytest.raises(ValueError, match="grad_out2"):
+            kiln_ops.rms_norm_backward(first, None, x, w, rstd, grad_out2=g2)
+
 def test_rms_norm_forward_half_types_single_pass(monkeypatch):
     torch.manual_seed(0)
     x, r = torch.randn(64, 200, dtype=torch.bfloat16), torch.randn(64, 200, dtype=torch.bfloat16)

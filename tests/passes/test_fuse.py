@@ -139,6 +139,48 @@ def test_a_shared_value_used_before_the_fused_op_is_not_fused():
     assert fuse(g, ALL, "forward") == 0 and [n.target for n in g.nodes] == before
 
 
+
+def rms_backward_of_sum_graph(g1, g2, x, widen=False):
+    """kiln.rms_norm_backward of g1 + g2 (widened to float32 first where `widen`: autocast's backward of an fp32
+    norm whose output two bf16 projections read), as the differentiated graph has it."""
+    w = torch.linspace(0.5, 1.5, x.shape[-1])
+    rstd = x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+    tensors = (g1, g2, x, w, rstd)
+    g, b, (v1, v2, xv, wv, rv) = graph_with_inputs(*tensors)
+    total = b(aten.add.Tensor, v1, v2)
+    if widen:
+        total = b(aten._to_copy.default, total, dtype=torch.float32)
+    gi, gw, _low = b(kiln_ops.rms_norm_backward.default, total, None, xv, wv, rv)
+    g.outputs = [gi, gw]
+    return g, tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_backward_reads_the_two_terms_of_its_output_gradient_with_the_adds_bits(dtype):
+    """The add (and an exact widening cast after it) goes into the kernel, which sums the terms as the add did:
+    the graph's bits. (The kernel's own numerics against float64 are tests/kernels/test_native.py's.)"""
+    torch.manual_seed(0)
+    x = torch.randn(64, 48)
+    g1, g2 = torch.randn(64, 48, dtype=dtype), torch.randn(64, 48, dtype=dtype)
+    widen = dtype != torch.float32
+    unfused, tensors = rms_backward_of_sum_graph(g1, g2, x, widen)
+    want = run(unfused, *tensors)
+    g, _ = rms_backward_of_sum_graph(g1, g2, x, widen)
+    assert fuse(g, ALL, "training") == 1
+    assert count(g, aten.add.Tensor) == 0 and count(g, aten._to_copy.default) == 0
+    (n,) = g.nodes
+    assert n.fused.fusion == "kiln:rms_norm_backward_of_sum" and n.kwargs["grad_out2"] is g.inputs[1]
+    assert all(torch.equal(a, b) for a, b in zip(run(g, *tensors), want))
+
+
+def test_rms_norm_backward_keeps_an_add_that_promotes_or_broadcasts():
+    x = torch.randn(8, 16)
+    for g1, g2, widen in ((torch.randn(8, 16), torch.randn(8, 16).bfloat16(), False),    # promoting: fp32 sum
+                          (torch.randn(8, 16), torch.randn(16), False),                  # a broadcast addend
+                          (torch.randn(8, 16).bfloat16(), torch.randn(16).bfloat16(), True)):
+        g, _ = rms_backward_of_sum_graph(g1, g2, x, widen)
+        assert fuse(g, ALL, "training") == 0 and count(g, aten.add.Tensor) == 1
+
 def test_not_fused_when_the_dialect_is_disabled():
     x, w = torch.randn(4, 16), torch.randn(16)
     g = rms_graph(x, w)
@@ -339,7 +381,7 @@ def test_llama_fuses_norms_rope_and_swiglu_and_trains_like_eager():
     assert fused.count("kiln:rms_norm") == 1 and fused.count("kiln:add_rms_norm") == 4
     assert fused.count("kiln:rope") == 2 and fused.count("kiln:swiglu") == 2
     assert ("fused: aten:adamw_multi_tensor x1, aten:cross_entropy_backward x1, kiln:add_rms_norm x4, kiln:rms_norm x1, "
-            "kiln:rope x2, kiln:swiglu x2") in step.explain(file=io.StringIO())
+            "kiln:rms_norm_backward_of_sum x4, kiln:rope x2, kiln:swiglu x2") in step.explain(file=io.StringIO())
     forward = [n for n in step.graph.nodes if n.phase.value == "forward"]
     # (one add is left: the position ids' arithmetic, a vector)
     assert not any(n.target is aten.add.Tensor and len(n.outputs[0].meta.shape) > 1 for n in forward)
