@@ -296,6 +296,7 @@ def build_rms_norm_backward_of_sum(b, matches):
     outs = b(kiln_ops.rms_norm_backward.default, g1, m["gsum"], m["x"], m["w"], m["rstd"], grad_out2=g2, **low)
     return [tuple(outs)[:len(m.root.outputs)]]
 
+
 fusion(KILN, "rms_norm_backward_of_sum", RMS_BACKWARD_OF_SUM, build_rms_norm_backward_of_sum, phase="training",
        priority=10, doc="add + kiln.rms_norm_backward -> kiln.rms_norm_backward reading both terms (the sum rounded "
        "as the add rounded it: the same bits, without the add's pass)")

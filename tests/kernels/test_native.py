@@ -87,7 +87,6 @@ def test_rms_norm_backward(dtype, monkeypatch):
     assert calls
 
 
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_norm_backward_of_two_terms_is_the_call_on_their_sum(dtype, monkeypatch):
     """grad_out2: the kernel sums the terms as torch.add does (rounded once to their dtype), so every output is
@@ -113,6 +112,7 @@ def test_rms_norm_backward_rejects_a_second_term_of_another_dtype_or_shape():
     for g2, first in ((g.bfloat16(), g), (torch.randn(8), g), (torch.randn(4, 8), None)):
         with pytest.raises(ValueError, match="grad_out2"):
             kiln_ops.rms_norm_backward(first, None, x, w, rstd, grad_out2=g2)
+
 
 def test_rms_norm_forward_half_types_single_pass(monkeypatch):
     torch.manual_seed(0)

@@ -139,17 +139,16 @@ def test_a_shared_value_used_before_the_fused_op_is_not_fused():
     assert fuse(g, ALL, "forward") == 0 and [n.target for n in g.nodes] == before
 
 
-
-def rms_backward_of_sum_graph(g1, g2, x, widen=False):
-    """kiln.rms_norm_backward of g1 + g2 (widened to float32 first where `widen`: autocast's backward of an fp32
-    norm whose output two bf16 projections read), as the differentiated graph has it."""
+def rms_backward_of_sum_graph(g1, g2, x, widen=False, cast_to=torch.float32):
+    """kiln.rms_norm_backward of g1 + g2 (cast to `cast_to` first where `widen`: autocast's backward of an fp32
+    norm whose output two bf16 projections read widens the sum), as the differentiated graph has it."""
     w = torch.linspace(0.5, 1.5, x.shape[-1])
     rstd = x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
     tensors = (g1, g2, x, w, rstd)
     g, b, (v1, v2, xv, wv, rv) = graph_with_inputs(*tensors)
     total = b(aten.add.Tensor, v1, v2)
     if widen:
-        total = b(aten._to_copy.default, total, dtype=torch.float32)
+        total = b(aten._to_copy.default, total, dtype=cast_to)
     gi, gw, _low = b(kiln_ops.rms_norm_backward.default, total, None, xv, wv, rv)
     g.outputs = [gi, gw]
     return g, tensors
@@ -173,13 +172,16 @@ def test_rms_norm_backward_reads_the_two_terms_of_its_output_gradient_with_the_a
     assert all(torch.equal(a, b) for a, b in zip(run(g, *tensors), want))
 
 
-def test_rms_norm_backward_keeps_an_add_that_promotes_or_broadcasts():
+def test_rms_norm_backward_keeps_an_add_that_promotes_or_broadcasts_or_a_cast_that_rounds():
     x = torch.randn(8, 16)
-    for g1, g2, widen in ((torch.randn(8, 16), torch.randn(8, 16).bfloat16(), False),    # promoting: fp32 sum
-                          (torch.randn(8, 16), torch.randn(16), False),                  # a broadcast addend
-                          (torch.randn(8, 16).bfloat16(), torch.randn(16).bfloat16(), True)):
-        g, _ = rms_backward_of_sum_graph(g1, g2, x, widen)
-        assert fuse(g, ALL, "training") == 0 and count(g, aten.add.Tensor) == 1
+    bf16 = torch.bfloat16
+    for g1, g2, widen, to in ((torch.randn(8, 16), torch.randn(8, 16).to(bf16), False, None),  # promoting: fp32 sum
+                              (torch.randn(8, 16), torch.randn(16), False, None),              # a broadcast addend
+                              (torch.randn(8, 16).to(bf16), torch.randn(16).to(bf16), True, torch.float32),
+                              (torch.randn(8, 16), torch.randn(8, 16), True, bf16)):          # a narrowing cast
+        g, _ = rms_backward_of_sum_graph(g1, g2, x, widen, to)
+        assert fuse(g, ALL, "training") == 0 and count(g, aten.add.Tensor) == 1, (g1.dtype, g2.shape, to)
+
 
 def test_not_fused_when_the_dialect_is_disabled():
     x, w = torch.randn(4, 16), torch.randn(16)
