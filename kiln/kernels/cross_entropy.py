@@ -321,17 +321,20 @@ def linear_cross_entropy_grads_op(hidden: Tensor, weight: Tensor, labels: Tensor
 
 
 def _native_softmax(hidden: Tensor):
-    """Whether a half-type chunk's softmax runs as native.c's cross-entropy loops: bf16 logits on the CPU
-    (the loops read each row into an fp32 buffer and write it back rounded, so in place is safe; for fp32
-    chunks ATen's blocks were as fast, 3.4 against 4.4 ms at 512 x 8192)."""
-    return hidden.dtype == torch.bfloat16 and native.usable(hidden) is not None
+    """Whether a chunk's softmax runs as native.c's cross-entropy loop (`kiln_ce_grads`, in place): bf16 or fp32
+    logits on the CPU (the loop reads each row into an fp32 buffer and writes it back, rounded for bf16, so in
+    place is safe). fp32 chunks took ATen's blocks until 2026-12-07, when the loop still took two exps a logit
+    (4.4 against ATen's 3.4 ms at 512 x 8192); with one, 3.1 against 7.0-7.6 ms at 1024 x 8192 on the EPYC
+    (docs/kernels.md)."""
+    return hidden.dtype in (torch.bfloat16, torch.float32) and native.usable(hidden) is not None
 
 
 def _softmax_minus_onehot_native(z: Tensor, y: Tensor, per_token: Tensor, lse: Tensor, ignore_index: int,
                                  bias: Tensor | None = None, bias_grad: Tensor | None = None) -> None:
-    """A bf16 chunk of logits z (rows x vocab, contiguous) overwritten with softmax - onehot (computed in fp32,
-    rounded once), each row's loss written into per_token and its log-sum-exp into lse (contiguous fp32). The
-    rows are the counted tokens: no label equals `ignore_index`, and any other outside the vocabulary raises.
+    """A chunk of logits z (rows x vocab, contiguous; bf16 or fp32) overwritten with softmax - onehot (computed in
+    fp32, rounded once for bf16), each row's loss written into per_token and its log-sum-exp into lse (contiguous
+    fp32). The rows are the counted tokens: no label equals `ignore_index`, and any other outside the vocabulary
+    raises.
     One native call (kiln_ce_grads): per row its max, exp(z - max) into an fp32 row buffer with its sum, then
     that buffer over the sum, less the onehot: one exp per logit (the forward-then-backward pair of loops took
     two) and two reads of the row. 2048 x 8192 on the EPYC: see docs/kernels.md."""

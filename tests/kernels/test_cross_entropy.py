@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln.kernels as K
+from kiln.kernels import native
 from kiln.kernels.cross_entropy import chunk_rows
 from tests.kernels import refs
 from tests.kernels.refs import BF16, FP32, FP64, LAYOUTS, check
@@ -239,34 +240,43 @@ def test_peak_memory_does_not_grow_with_tokens_times_vocab():
     assert _peak(2 * tokens, vocab, "fused") < fused + 3 * 2 ** 20
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bad", [40, -1])
-def test_bf16_grads_native_softmax_refuses_labels_outside_the_vocabulary(bad):
-    """The bf16 chunks' softmax runs as the native loops; a label outside [0, vocab) that is not the ignore
-    index raises (as ATen's gather does), never counts as ignored."""
-    h, w, y = torch.randn(12, 16).bfloat16(), (torch.randn(40, 16) * 0.5).bfloat16(), _labels((12,), 40)
+def test_grads_native_softmax_refuses_labels_outside_the_vocabulary(bad, dtype):
+    """The chunks' softmax (bf16 and fp32) runs as the native loop; a label outside [0, vocab) that is not the
+    ignore index raises (as ATen's gather does), never counts as ignored."""
+    h, w, y = torch.randn(12, 16).to(dtype), (torch.randn(40, 16) * 0.5).to(dtype), _labels((12,), 40)
     y[3] = bad
     with pytest.raises(IndexError, match="out of bounds"):
         torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "mean", 0)
 
 
-def test_bf16_grads_native_and_aten_softmax_agree(monkeypatch):
-    h, w = torch.randn(64, 16).bfloat16(), (torch.randn(300, 16) * 0.5).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grads_native_and_aten_softmax_agree(dtype, monkeypatch):
+    """Both dtypes' chunks go through the native loop (counted) and give ATen's composition's values."""
+    from tests.kernels.test_native import _used
+    if native.library() is None:
+        pytest.skip("native.c is not built here")
+    h, w = torch.randn(64, 16).to(dtype), (torch.randn(300, 16) * 0.5).to(dtype)
     y = _labels((64,), 300)
+    calls = _used(monkeypatch, "kiln_ce_grads")
     native_out = torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "mean", 0)
+    assert calls, "the native softmax did not run"
     monkeypatch.setenv("KILN_NATIVE", "0")
     aten_out = torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "mean", 0)
     for a, b in zip(native_out, aten_out):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-2 if a.dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [300, 9001])
-def test_bf16_grads_native_softmax_is_as_close_to_float64_as_aten(vocab, monkeypatch):
-    """The one-call native softmax (max, exp into a row buffer, over the sum) against float64 of the same bf16
+def test_grads_native_softmax_is_as_close_to_float64_as_aten(vocab, dtype, monkeypatch):
+    """The one-call native softmax (max, exp into a row buffer, over the sum) against float64 of the same
     logits, no further than ATen's composition; a vocabulary past its 2048-logit blocks and past 8192 too."""
     torch.manual_seed(3)
-    h, w = torch.randn(48, 16).bfloat16(), (torch.randn(vocab, 16) * 0.7).bfloat16()
+    h, w = torch.randn(48, 16).to(dtype), (torch.randn(vocab, 16) * 0.7).to(dtype)
     y = _labels((48,), vocab)
-    z = (h.double() @ w.double().t()).bfloat16().double()          # the logits as the bf16 product rounds them
+    z = (h.double() @ w.double().t()).to(dtype).double()           # the logits as the product rounds them
     p = torch.softmax(z, -1)
     want_loss = (torch.logsumexp(z, -1) - z[torch.arange(48), y]).mean()
     p[torch.arange(48), y] -= 1
