@@ -281,22 +281,35 @@ for _pattern, _label in ((LN_BACKWARD_OF_SUM, "layer_norm_backward_of_sum"), (LN
 RMS_BACKWARD_OF_SUM = Op(kiln_ops.rms_norm_backward.default,
                          Opt(CAST, Op(aten.add.Tensor, T("g1"), T("g2"), Lit(1), name="g"), name="g_in"),
                          V("gsum"), T("x"), T("w"), T("rstd"), V("low"), Lit(None))
+# three terms, the graph's ((g1 + g2) + g3) in either operand order of the outer add (Llama's q, k and v)
+RMS_BACKWARD_OF_THREE = Op(kiln_ops.rms_norm_backward.default,
+                           Opt(CAST, Op(aten.add.Tensor, Op(aten.add.Tensor, T("g1"), T("g2"), Lit(1), name="g12"),
+                                        T("g3"), Lit(1), name="g", commutative=True), name="g_in"),
+                           V("gsum"), T("x"), T("w"), T("rstd"), V("low"), Lit(None))
 
 
 def build_rms_norm_backward_of_sum(b, matches):
+    """The norm's backward reading the terms the graph added (two, or three where the first add's sum is itself
+    an add's that only this sum reads), refused where the kernel's sums would not be the graph's bits."""
     (m,) = matches
-    g1, g2, g, g_in = m["g1"], m["g2"], m["g"], m["g_in"]
-    if any(v.meta is None for v in (g1, g2, g, g_in)) or not g1.meta.dtype == g2.meta.dtype == g.meta.dtype:
+    terms = [m[k] for k in ("g1", "g2", "g3") if k in m.bindings]
+    sums = [m[k] for k in ("g12", "g") if k in m.bindings]
+    g, g_in = m["g"], m["g_in"]
+    if any(v.meta is None for v in (*terms, *sums, g_in)) or len({v.meta.dtype for v in (*terms, *sums)}) != 1:
         return None                # a promoting add: its sum is rounded to another dtype
     if g_in is not g and not (_is_cast(g_in, torch.float32) and g.meta.dtype in (torch.bfloat16, torch.float16)):
         return None                # only an exact widening between the sum and the norm's backward
-    if not (same(shape(g1), shape(g)) and same(shape(g2), shape(g))):
+    if not all(same(shape(t), shape(g)) for t in (*terms, *sums)):
         return None                # a broadcast addend
     low = {} if m["low"] is None else {"low_dtype": m["low"]}      # keywords, as the later passes give them
-    outs = b(kiln_ops.rms_norm_backward.default, g1, m["gsum"], m["x"], m["w"], m["rstd"], grad_out2=g2, **low)
+    more = dict(zip(("grad_out2", "grad_out3"), terms[1:]))
+    outs = b(kiln_ops.rms_norm_backward.default, terms[0], m["gsum"], m["x"], m["w"], m["rstd"], **more, **low)
     return [tuple(outs)[:len(m.root.outputs)]]
 
 
+fusion(KILN, "rms_norm_backward_of_three", RMS_BACKWARD_OF_THREE, build_rms_norm_backward_of_sum, phase="training",
+       priority=11, doc="add + add + kiln.rms_norm_backward -> kiln.rms_norm_backward reading the three terms (each "
+       "sum rounded as its add rounded it: the same bits, without the adds' passes)")
 fusion(KILN, "rms_norm_backward_of_sum", RMS_BACKWARD_OF_SUM, build_rms_norm_backward_of_sum, phase="training",
        priority=10, doc="add + kiln.rms_norm_backward -> kiln.rms_norm_backward reading both terms (the sum rounded "
        "as the add rounded it: the same bits, without the add's pass)")

@@ -223,6 +223,13 @@ static inline float swiglu_dgate(float g, float a, float b, float sig) {
     return g * b * (sig * (1.0f + a * (1.0f - sig)));
 }
 
+/* the exp-bound loops in AVX-512 intrinsics where the build has AVX-512 (the same values; -DKILN_PLAIN_LOOPS
+ * builds the plain C instead: benchmarks/exp_loops.py compares the two) */
+#if defined(__AVX512F__) && !defined(KILN_PLAIN_LOOPS)
+#define KILN_VEC512 1
+#include "native_vec512.c"
+#endif
+
 /* where every operand of an elementwise loop is bf16, it converts in registers (the staged fp32 blocks of
  * in_row / out_done cost about as much again as the arithmetic: swiglu on 2048 x 1408, 1.0 against 1.2-1.5 ms) */
 #define ALL_BF16(...) all_bf16((int[]){__VA_ARGS__}, sizeof((int[]){__VA_ARGS__}) / sizeof(int))
@@ -244,6 +251,10 @@ int kiln_swiglu(const void *gate, int g_dt, int64_t g_s, const void *up, int u_d
             if (ALL_BF16(g_dt, u_dt, o_dt)) {
                 const uint16_t *a = (const uint16_t *)gate + r * g_s + lo, *b = (const uint16_t *)up + r * u_s + lo;
                 uint16_t *o = (uint16_t *)out + r * o_s + lo;
+#ifdef KILN_VEC512
+                swiglu16_bf16(a, b, o, m);
+                continue;
+#endif
 #pragma omp simd
                 for (int64_t j = 0; j < m; j++) o[j] = f_bf16(swiglu_f(bf16_f(a[j]), bf16_f(b[j])));
                 continue;
@@ -273,6 +284,10 @@ int kiln_swiglu_backward(const void *grad, int gr_dt, int64_t gr_s, const void *
                 const uint16_t *gr = (const uint16_t *)grad + r * gr_s + lo, *a = (const uint16_t *)gate + r * g_s + lo;
                 const uint16_t *b = (const uint16_t *)up + r * u_s + lo;
                 uint16_t *og = (uint16_t *)grad_gate + r * gg_s + lo, *ou = (uint16_t *)grad_up + r * gu_s + lo;
+#ifdef KILN_VEC512
+                swiglu_backward16_bf16(gr, a, b, og, ou, m);
+                continue;
+#endif
 #pragma omp simd
                 for (int64_t j = 0; j < m; j++) {
                     float x = bf16_f(a[j]), g = bf16_f(gr[j]), sig = sigmoid(x);

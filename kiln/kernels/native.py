@@ -54,7 +54,7 @@ _ints = ctypes.POINTER(ctypes.c_int)
 _SIGNATURES = {
     "kiln_rms_forward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _int, _i64, _i64, _dbl,
                          _int],
-    "kiln_rms_backward": [_ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr,
+    "kiln_rms_backward": [_ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _int, _ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr,
                           _int, _ptr, _i64, _i64, _int],
     "kiln_ln_backward": [_ptr, _int, _ptr, _int, _ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _int, _ptr, _int, _ptr,
                          _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _int],

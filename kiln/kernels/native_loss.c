@@ -53,6 +53,9 @@ static inline float exp_nonpositive(float d) {
 /* v[j] = exp(v[j] - m) in place, and their sum (float lanes over pieces of 256, the pieces added in double);
  * v holds no NaN and m is its finite maximum */
 static __attribute__((noinline)) double block_exp_sum(float *restrict v, int64_t n, float m) {
+#ifdef KILN_VEC512
+    return exp_sum16(v, n, m);          /* the same values (native_vec512.c) */
+#endif
     double s = 0.0;
     for (int64_t lo = 0; lo < n; lo += 256) {
         int64_t hi = n - lo < 256 ? n : lo + 256;

@@ -101,16 +101,25 @@ int kiln_rms_forward(const void *x, int x_dt, const void *res, int res_dt, const
 }
 
 /* a + b (two rows of dtype dt) in fp32, rounded once to dt: what aten.add gives for two tensors of one dtype */
-static const float *load_sum(float *restrict dst, const void *a, const void *b, int dt, int64_t n) {
+static const float *load_sum(float *restrict dst, const void *a, const void *b, const void *c, int dt, int64_t n) {
+    /* (a + b) + c (c optional), each add as aten.add adds two tensors of dtype dt: in fp32, rounded to dt */
     if (dt == F32) {
-        const float *x = (const float *)a, *y = (const float *)b;
+        const float *x = (const float *)a, *y = (const float *)b, *z = (const float *)c;
 #pragma omp simd
         for (int64_t j = 0; j < n; j++) dst[j] = x[j] + y[j];
+        if (z) {
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) dst[j] += z[j];
+        }
         return dst;
     }
-    const uint16_t *x = (const uint16_t *)a, *y = (const uint16_t *)b;
+    const uint16_t *x = (const uint16_t *)a, *y = (const uint16_t *)b, *z = (const uint16_t *)c;
 #pragma omp simd
     for (int64_t j = 0; j < n; j++) dst[j] = bf16_f(f_bf16(bf16_f(x[j]) + bf16_f(y[j])));
+    if (z) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) dst[j] = bf16_f(f_bf16(dst[j] + bf16_f(z[j])));
+    }
     return dst;
 }
 
@@ -118,10 +127,12 @@ static const float *load_sum(float *restrict dst, const void *a, const void *b, 
  * g s rstd (fp32 over blocks of SUM_ROWS rows, the blocks added in double, per thread, then the threads in order,
  * as kiln_ln_backward sums). g2 (optional, g's dtype): the output gradient is g + g2, added as aten.add adds two
  * tensors of one dtype (in fp32, rounded once to that dtype) before anything reads it: the graph's bits, without
- * the add's pass. gi_low (optional): grad_s rounded to low_dt as well. partial: threads x d doubles of scratch. */
-int kiln_rms_backward(const void *g, int g_dt, const void *g2, const void *gsum, int gsum_dt, const void *s_in,
-                      int s_dt, const void *w, int w_dt, const float *rstd, void *gi, int gi_dt, void *gw, int gw_dt,
-                      void *gi_low, int low_dt, double *partial, int64_t rows, int64_t d, int threads) {
+ * the add's pass; g3 (optional, with g2): (g + g2) + g3, each add so (three projections' input gradients: Llama's
+ * q, k and v). gi_low (optional): grad_s rounded to low_dt as well. partial: threads x d doubles of scratch. */
+int kiln_rms_backward(const void *g, int g_dt, const void *g2, const void *g3, const void *gsum, int gsum_dt,
+                      const void *s_in, int s_dt, const void *w, int w_dt, const float *rstd, void *gi, int gi_dt,
+                      void *gw, int gw_dt, void *gi_low, int low_dt, double *partial, int64_t rows, int64_t d,
+                      int threads) {
     if (d > ROW_MAX) return -1;
     float wbuf[ROW_MAX];
     const float *wf = in_row(wbuf, w, w_dt, d);
@@ -136,7 +147,8 @@ int kiln_rms_backward(const void *g, int g_dt, const void *g2, const void *gsum,
             int64_t r1 = hi - r0 < SUM_ROWS ? hi : r0 + SUM_ROWS;
             memset(bw, 0, (size_t)d * sizeof(float));
             for (int64_t r = r0; r < r1; r++) {
-                const float *gr = g2 ? load_sum(gb, elem(g, g_dt, r * d), elem(g2, g_dt, r * d), g_dt, d)
+                const float *gr = g2 ? load_sum(gb, elem(g, g_dt, r * d), elem(g2, g_dt, r * d),
+                                                g3 ? elem(g3, g_dt, r * d) : NULL, g_dt, d)
                                      : in_row(gb, elem(g, g_dt, r * d), g_dt, d);
                 const float *sr = in_row(sb, elem(s_in, s_dt, r * d), s_dt, d);
                 float k = rstd[r];

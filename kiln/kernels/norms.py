@@ -173,27 +173,27 @@ def _(x, residual, weight, eps, out_dtype=None):
 
 @torch.library.custom_op("kiln::rms_norm_backward", mutates_args=())
 def rms_norm_backward_op(grad_out: Optional[Tensor], grad_sum: Optional[Tensor], input: Tensor, weight: Tensor,
-                         rstd: Tensor, low_dtype: Optional[torch.dtype] = None, grad_out2: Optional[Tensor] = None
-                         ) -> tuple[Tensor, Tensor, Tensor]:
+                         rstd: Tensor, low_dtype: Optional[torch.dtype] = None, grad_out2: Optional[Tensor] = None,
+                         grad_out3: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_input, grad_weight, grad_input_low) of out = RMSNorm(input). `grad_sum` (the gradient reaching the
     residual sum of add_rms_norm through its other uses) is added to grad_input in place. `low_dtype`: the
     third output is grad_input rounded to it as well (a narrowing cast of a gradient that is also read in its
     own dtype, folded into the kernel); else it is empty. `grad_out2` (grad_out's dtype and shape): the output
     gradient is grad_out + grad_out2, summed as `torch.add` sums them (rounded once to their dtype) where the
-    graph added them (the input gradients of two projections reading the norm's output: Llama's gate and up)."""
-    if grad_out2 is not None:
-        _check_terms(grad_out, grad_out2)
+    graph added them (the input gradients of two projections reading the norm's output: Llama's gate and up);
+    `grad_out3` (with grad_out2): (grad_out + grad_out2) + grad_out3, each add rounded so (Llama's q, k and v)."""
+    _check_terms(grad_out, grad_out2, grad_out3)
     impl = gpu_impl("rms_norm_backward", input)
     if impl is not None:
-        gi, gw = impl(_summed(grad_out, grad_out2), grad_sum, input, weight, rstd)
+        gi, gw = impl(_summed(grad_out, grad_out2, grad_out3), grad_sum, input, weight, rstd)
         return gi, gw, _low_copy(gi, low_dtype)
     if grad_out is None:
         gi = grad_sum.to(input.dtype, copy=True) if grad_sum is not None else torch.zeros_like(input)
         return gi.contiguous(), torch.zeros_like(weight), _low_copy(gi, low_dtype)
-    done = _rms_backward_native(grad_out, grad_out2, grad_sum, input, weight, rstd, low_dtype)
+    done = _rms_backward_native(grad_out, (grad_out2, grad_out3), grad_sum, input, weight, rstd, low_dtype)
     if done is not None:
         return done
-    grad_out = _summed(grad_out, grad_out2)
+    grad_out = _summed(grad_out, grad_out2, grad_out3)
     acc = torch.promote_types(acc_dtype(input.dtype), weight.dtype)
     d = input.shape[-1]
     sf, gf = input.to(acc), grad_out.to(acc)
@@ -213,32 +213,40 @@ def rms_norm_backward_op(grad_out: Optional[Tensor], grad_sum: Optional[Tensor],
     return gi, grad_weight.reshape(weight.shape), _low_copy(gi, low_dtype)
 
 
-def _check_terms(grad_out: Optional[Tensor], grad_out2: Tensor) -> None:
-    if grad_out is None or grad_out2.dtype != grad_out.dtype or grad_out2.shape != grad_out.shape:
-        what = "None" if grad_out is None else f"{grad_out.dtype} {tuple(grad_out.shape)}"
-        raise ValueError(f"rms_norm_backward: grad_out2 ({grad_out2.dtype} {tuple(grad_out2.shape)}) must have "
-                         f"grad_out's dtype and shape ({what})")
+def _check_terms(grad_out: Optional[Tensor], grad_out2: Optional[Tensor], grad_out3: Optional[Tensor]) -> None:
+    if grad_out3 is not None and grad_out2 is None:
+        raise ValueError("rms_norm_backward: grad_out3 needs grad_out2 (the terms are summed in order)")
+    for name, term in (("grad_out2", grad_out2), ("grad_out3", grad_out3)):
+        if term is not None and (grad_out is None or term.dtype != grad_out.dtype or term.shape != grad_out.shape):
+            what = "None" if grad_out is None else f"{grad_out.dtype} {tuple(grad_out.shape)}"
+            raise ValueError(f"rms_norm_backward: {name} ({term.dtype} {tuple(term.shape)}) must have grad_out's "
+                             f"dtype and shape ({what})")
 
 
-def _summed(grad_out: Optional[Tensor], grad_out2: Optional[Tensor]) -> Optional[Tensor]:
-    return grad_out if grad_out2 is None else torch.add(grad_out, grad_out2)
+def _summed(grad_out: Optional[Tensor], *terms: Optional[Tensor]) -> Optional[Tensor]:
+    """grad_out plus the given terms, added in order as the graph added them (each add rounded to their dtype)."""
+    for term in terms:
+        if term is not None:
+            grad_out = torch.add(grad_out, term)
+    return grad_out
 
 
 def _low_copy(gi: Tensor, low_dtype: Optional[torch.dtype]) -> Tensor:
     return gi.to(low_dtype).contiguous() if low_dtype is not None else empty_like_absent(gi)
 
 
-def _rms_backward_native(grad_out: Tensor, grad_out2: Optional[Tensor], grad_sum: Optional[Tensor], input: Tensor,
-                         weight: Tensor, rstd: Tensor, low_dtype: Optional[torch.dtype]):
-    """(grad_input, grad_weight, grad_input_low) by native.c's single pass, or None where it does not apply."""
+def _rms_backward_native(grad_out: Tensor, terms: tuple, grad_sum: Optional[Tensor], input: Tensor, weight: Tensor,
+                         rstd: Tensor, low_dtype: Optional[torch.dtype]):
+    """(grad_input, grad_weight, grad_input_low) by native.c's single pass, or None where it does not apply.
+    terms: (grad_out2, grad_out3), either None."""
     d = input.shape[-1] if input.dim() else 0
-    lib = (native.usable(grad_out, grad_out2, grad_sum, input, weight)
+    lib = (native.usable(grad_out, *terms, grad_sum, input, weight)
            if low_dtype is None or native.supports(low_dtype) else None)
     if (lib is None or not 0 < d <= native.ROW_MAX or weight.numel() != d or rstd.dtype != torch.float32
             or grad_out.shape != input.shape or (grad_sum is not None and grad_sum.shape != input.shape)):
         return None
     g, s, w, k = grad_out.contiguous(), input.contiguous(), weight.contiguous(), rstd.contiguous()
-    g2 = grad_out2.contiguous() if grad_out2 is not None else None
+    g2, g3 = (t.contiguous() if t is not None else None for t in terms)
     gs = grad_sum.contiguous() if grad_sum is not None else None
     gi = torch.empty(input.shape, dtype=input.dtype)
     gw = torch.empty(weight.shape, dtype=weight.dtype)
@@ -246,7 +254,8 @@ def _rms_backward_native(grad_out: Tensor, grad_out2: Optional[Tensor], grad_sum
     n = native.threads()
     partial = torch.empty(n * d, dtype=torch.float64)
     native.check(lib.kiln_rms_backward(
-        g.data_ptr(), native.code(g), native.ptr(g2), native.ptr(gs), native.code(gs) if gs is not None else 0,
+        g.data_ptr(), native.code(g), native.ptr(g2), native.ptr(g3), native.ptr(gs),
+        native.code(gs) if gs is not None else 0,
         s.data_ptr(), native.code(s), w.data_ptr(), native.code(w), k.data_ptr(), gi.data_ptr(), native.code(gi),
         gw.data_ptr(), native.code(gw), native.ptr(low), native.code(low) if low is not None else 0,
         partial.data_ptr(), input.numel() // d, d, n), "rms_norm_backward")
@@ -254,9 +263,8 @@ def _rms_backward_native(grad_out: Tensor, grad_out2: Optional[Tensor], grad_sum
 
 
 @rms_norm_backward_op.register_fake
-def _(grad_out, grad_sum, input, weight, rstd, low_dtype=None, grad_out2=None):
-    if grad_out2 is not None:
-        _check_terms(grad_out, grad_out2)
+def _(grad_out, grad_sum, input, weight, rstd, low_dtype=None, grad_out2=None, grad_out3=None):
+    _check_terms(grad_out, grad_out2, grad_out3)
     low = input.new_empty(input.shape, dtype=low_dtype) if low_dtype is not None else input.new_empty((0,))
     return input.new_empty(input.shape), torch.empty_like(weight), low
 

@@ -87,22 +87,28 @@ def test_rms_norm_backward(dtype, monkeypatch):
     assert calls
 
 
+@pytest.mark.parametrize("terms", [2, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rms_norm_backward_of_two_terms_is_the_call_on_their_sum(dtype, monkeypatch):
-    """grad_out2: the kernel sums the terms as torch.add does (rounded once to their dtype), so every output is
-    the one-term call's on torch.add(g1, g2), bit for bit, natively and in the composition (that call's
-    numerics against float64 are test_rms_norm_backward's); with grad_sum and with a narrower copy."""
-    torch.manual_seed(0)
-    g1, g2 = (torch.randn(300, 96, dtype=dtype) for _ in range(2))
+def test_rms_norm_backward_of_terms_is_the_call_on_their_sum(dtype, terms, monkeypatch):
+    """grad_out2 (and grad_out3): the kernel sums the terms as torch.add does, (g1 + g2) + g3, each add rounded
+    once to their dtype, so every output is the one-term call's on the torch.add sum, bit for bit, natively and
+    in the composition (that call's numerics against float64 are test_rms_norm_backward's); with grad_sum and
+    with a narrower copy."""
+    torch.manual_seed(terms)
+    gs_ = [torch.randn(300, 96, dtype=dtype) for _ in range(terms)]
     x, gs = torch.randn(300, 96), torch.randn(300, 96)
     w = torch.rand(96) + 0.5
     rstd = x.pow(2).mean(-1, keepdim=True).add_(1e-6).rsqrt_()
+    more = dict(zip(("grad_out2", "grad_out3"), gs_[1:]))
+    total = gs_[0]
+    for t in gs_[1:]:
+        total = torch.add(total, t)
     calls = _used(monkeypatch, "kiln_rms_backward")
     for grad_sum, low in ((None, None), (gs, torch.bfloat16)):
         for native_on in (True, False):
-            two = _run(lambda: kiln_ops.rms_norm_backward(g1, grad_sum, x, w, rstd, low, grad_out2=g2), native_on)
-            one = _run(lambda: kiln_ops.rms_norm_backward(torch.add(g1, g2), grad_sum, x, w, rstd, low), native_on)
-            assert all(torch.equal(a, b) for a, b in zip(two, one)), (grad_sum is None, native_on)
+            got = _run(lambda: kiln_ops.rms_norm_backward(gs_[0], grad_sum, x, w, rstd, low, **more), native_on)
+            one = _run(lambda: kiln_ops.rms_norm_backward(total, grad_sum, x, w, rstd, low), native_on)
+            assert all(torch.equal(a, b) for a, b in zip(got, one)), (grad_sum is None, native_on)
     assert calls
 
 
@@ -112,6 +118,10 @@ def test_rms_norm_backward_rejects_a_second_term_of_another_dtype_or_shape():
     for g2, first in ((g.bfloat16(), g), (torch.randn(8), g), (torch.randn(4, 8), None)):
         with pytest.raises(ValueError, match="grad_out2"):
             kiln_ops.rms_norm_backward(first, None, x, w, rstd, grad_out2=g2)
+    with pytest.raises(ValueError, match="grad_out3"):
+        kiln_ops.rms_norm_backward(g, None, x, w, rstd, grad_out2=g, grad_out3=torch.randn(8))
+    with pytest.raises(ValueError, match="grad_out3 needs grad_out2"):
+        kiln_ops.rms_norm_backward(g, None, x, w, rstd, grad_out3=g)
 
 
 def test_rms_norm_forward_half_types_single_pass(monkeypatch):
@@ -244,6 +254,48 @@ def test_swiglu_extremes_and_nan():
     gg, gu = kiln_ops.swiglu_backward(torch.ones_like(gate), gate, up)
     assert torch.isnan(gg[0, -1]) and torch.isnan(gu[0, -1])
     assert torch.isfinite(gg[0, :-1]).all() and torch.isfinite(gu[0, :-1]).all()
+
+
+def _avx512_runs() -> bool:
+    return all(native.cpu_flag(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+
+
+@pytest.mark.skipif(not _avx512_runs(), reason="the AVX-512 build needs a CPU with AVX-512")
+def test_avx512_intrinsic_loops_give_the_plain_loops_bits(monkeypatch):
+    """native_vec512.c (the AVX-512 build's SwiGLU forward and backward in bf16, and the loss's exp pass) against
+    the AVX2 build's plain C: SwiGLU bit for bit over wide values, exp's clamp edges, infinities, NaN and lengths
+    that leave partial vectors; the loss's per-token losses and gradients (fp32 and bf16 logits) to the last bits
+    (their row sums add the same exps in another order)."""
+    torch.manual_seed(0)
+    edges = [0.0, -0.0, 87.3, -87.3, 88.3, -88.3, 87.4, -87.4, 90.0, -90.0, 1e4, -1e4, 1e-40, -1e-40,
+             float("inf"), float("-inf"), float("nan")]
+    # a million values: an ulp of fp32 anywhere in the exp shows as a few bf16 roundings that go the other way
+    gate = torch.cat([torch.randn(511, 2048) * 12, torch.tensor(edges * 121)[:2048].reshape(1, 2048)]).bfloat16()
+    up, grad = torch.randn(512, 2048).bfloat16(), torch.randn(512, 2048).bfloat16()
+    up[-1, :17] = torch.tensor(edges).bfloat16()
+    h, w = torch.randn(37, 16), torch.randn(1000, 16) * 2
+    y = torch.randint(0, 1000, (37,))
+    results = {}
+    for isa in ("AVX512", "AVX2"):
+        lib = native._library(isa)
+        assert lib is not None
+        monkeypatch.setattr(native, "library", lambda lib=lib: lib)
+        outs = []
+        for cols in (2048, 299, 17, 16, 15, 1):         # whole vectors and partial ones
+            rows = slice(None) if cols == 2048 else slice(-8, None)
+            g, u, gr = (x[rows, :cols].contiguous() for x in (gate, up, grad))
+            outs += [kiln_ops.swiglu(g, u), *kiln_ops.swiglu_backward(gr, g, u)]
+        losses = [torch.ops.kiln.linear_cross_entropy_grads(h.to(dt), w.to(dt), y, -100, "sum", 0)[:2]
+                  for dt in (torch.float32, torch.bfloat16)]
+        results[isa] = outs, losses
+    for a, b in zip(results["AVX512"][0], results["AVX2"][0]):
+        assert a.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for (la, ga), (lb, gb) in zip(results["AVX512"][1], results["AVX2"][1]):
+        torch.testing.assert_close(la, lb, rtol=1e-6, atol=0)
+        # grad_hidden is a product over the vocabulary of softmax - onehot, whose terms cancel: an ulp of a
+        # softmax value shows relative to the largest gradient, not to each
+        tol = (1e-6 if ga.dtype == torch.float32 else 8e-3) * gb.abs().max().item()
+        torch.testing.assert_close(ga.float(), gb.float(), rtol=0, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -38,7 +38,10 @@ def samples():
                 (f"rms_norm_backward-residual-{tag}", k.rms_norm_backward.default,
                  (g, torch.randn_like(g), x.detach(), w.detach(), rstd), DETERMINISTIC),
                 (f"rms_norm_backward-two-terms-{tag}", k.rms_norm_backward.default,
-                 (g, None, x.detach(), w.detach(), rstd, None, torch.randn_like(g)), DETERMINISTIC)]
+                 (g, None, x.detach(), w.detach(), rstd, None, torch.randn_like(g)), DETERMINISTIC),
+                (f"rms_norm_backward-three-terms-{tag}", k.rms_norm_backward.default,
+                 (g, None, x.detach(), w.detach(), rstd, None, torch.randn_like(g), torch.randn_like(g)),
+                 DETERMINISTIC)]
         out += [(f"dal-p0-{tag}", k.dropout_add_layer_norm.default, (x, r, w, b, 0.0, 1e-5, True), DETERMINISTIC),
                 (f"dal-eval-noaffine-{tag}", k.dropout_add_layer_norm.default, (x, r, None, None, 0.3, 1e-5, False),
                  DETERMINISTIC),

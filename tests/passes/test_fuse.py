@@ -172,6 +172,59 @@ def test_rms_norm_backward_reads_the_two_terms_of_its_output_gradient_with_the_a
     assert all(torch.equal(a, b) for a, b in zip(run(g, *tensors), want))
 
 
+def rms_backward_of_three_graph(g1, g2, g3, x, widen=False, inner_second=False, inner_read_too=False):
+    """kiln.rms_norm_backward of (g1 + g2) + g3 (the inner sum as the outer add's second operand where
+    `inner_second`; also a graph output where `inner_read_too`), widened to fp32 first where `widen`."""
+    w = torch.linspace(0.5, 1.5, x.shape[-1])
+    rstd = x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+    tensors = (g1, g2, g3, x, w, rstd)
+    g, b, (v1, v2, v3, xv, wv, rv) = graph_with_inputs(*tensors)
+    inner = b(aten.add.Tensor, v1, v2)
+    total = b(aten.add.Tensor, v3, inner) if inner_second else b(aten.add.Tensor, inner, v3)
+    if widen:
+        total = b(aten._to_copy.default, total, dtype=torch.float32)
+    gi, gw, _low = b(kiln_ops.rms_norm_backward.default, total, None, xv, wv, rv)
+    g.outputs = [gi, gw] + ([inner] if inner_read_too else [])
+    return g, tensors
+
+
+@pytest.mark.parametrize("inner_second", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_backward_reads_three_terms_with_both_adds_bits(dtype, inner_second):
+    """(g1 + g2) + g3 in either operand order of the outer add (and the widening after it) goes into the
+    kernel, which sums as the two adds did: the graph's bits."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 48)
+    g1, g2, g3 = (torch.randn(64, 48, dtype=dtype) for _ in range(3))
+    widen = dtype != torch.float32
+    unfused, tensors = rms_backward_of_three_graph(g1, g2, g3, x, widen, inner_second)
+    want = run(unfused, *tensors)
+    g, _ = rms_backward_of_three_graph(g1, g2, g3, x, widen, inner_second)
+    assert fuse(g, ALL, "training") == 1
+    assert count(g, aten.add.Tensor) == 0 and count(g, aten._to_copy.default) == 0
+    (n,) = g.nodes
+    assert n.fused.fusion == "kiln:rms_norm_backward_of_three"
+    assert n.args[0] is g.inputs[0] and n.kwargs["grad_out2"] is g.inputs[1] and n.kwargs["grad_out3"] is g.inputs[2]
+    assert all(torch.equal(a, b) for a, b in zip(run(g, *tensors), want))
+
+
+@pytest.mark.parametrize("case", ["inner sum read elsewhere", "inner add promotes"])
+def test_rms_norm_backward_leaves_the_inner_add_where_it_cannot_take_it(case):
+    """Where the first sum is read by more than the second add, or that add promotes (fp32 + bf16: its sum is
+    not rounded to the terms' dtype), the inner add stays and the kernel takes two terms: the graph's bits."""
+    x = torch.randn(16, 32)
+    g1, g2, g3 = (torch.randn(16, 32, dtype=torch.bfloat16) for _ in range(3))
+    kw = dict(widen=True, inner_read_too=True)
+    if case == "inner add promotes":
+        g1, g3, kw = g1.float(), g3.float(), {}
+    unfused, tensors = rms_backward_of_three_graph(g1, g2, g3, x, **kw)
+    want = run(unfused, *tensors)
+    g, _ = rms_backward_of_three_graph(g1, g2, g3, x, **kw)
+    assert fuse(g, ALL, "training") == 1 and count(g, aten.add.Tensor) == 1
+    assert [n.fused.fusion for n in g.nodes if n.fused is not None] == ["kiln:rms_norm_backward_of_sum"]
+    assert all(torch.equal(a, b) for a, b in zip(run(g, *tensors), want))
+
+
 def test_rms_norm_backward_keeps_an_add_that_promotes_or_broadcasts_or_a_cast_that_rounds():
     x = torch.randn(8, 16)
     bf16 = torch.bfloat16
@@ -383,7 +436,8 @@ def test_llama_fuses_norms_rope_and_swiglu_and_trains_like_eager():
     assert fused.count("kiln:rms_norm") == 1 and fused.count("kiln:add_rms_norm") == 4
     assert fused.count("kiln:rope") == 2 and fused.count("kiln:swiglu") == 2
     assert ("fused: aten:adamw_multi_tensor x1, aten:cross_entropy_backward x1, kiln:add_rms_norm x4, kiln:rms_norm x1, "
-            "kiln:rms_norm_backward_of_sum x4, kiln:rope x2, kiln:swiglu x2") in step.explain(file=io.StringIO())
+            "kiln:rms_norm_backward_of_sum x2, kiln:rms_norm_backward_of_three x2, kiln:rope x2, kiln:swiglu x2"
+            ) in step.explain(file=io.StringIO())
     forward = [n for n in step.graph.nodes if n.phase.value == "forward"]
     # (one add is left: the position ids' arithmetic, a vector)
     assert not any(n.target is aten.add.Tensor and len(n.outputs[0].meta.shape) > 1 for n in forward)
