@@ -29,7 +29,10 @@ from kiln.kernels import native, native_build  # noqa: E402
 def build(out_dir: str, plain: bool) -> ctypes.CDLL:
     flags = native_build.flags("AVX512") + (["-DKILN_PLAIN_LOOPS"] if plain else [])
     path = os.path.join(out_dir, "plain.so" if plain else "vec512.so")
-    native_build.compile_library(shutil.which("cc") or "cc", flags, path)
+    compiler = shutil.which(os.environ.get("CC") or "cc")          # as kiln/kernels/native.py finds it
+    if compiler is None:
+        sys.exit("no C compiler ($CC, else cc): the two builds cannot be made here")
+    native_build.compile_library(compiler, flags, path)
     lib = ctypes.CDLL(path)
     for name in ("kiln_swiglu", "kiln_swiglu_backward", "kiln_ce_grads"):
         getattr(lib, name).argtypes = native._SIGNATURES[name]

@@ -38,8 +38,10 @@ def main() -> None:
     total = torch.add(g1, g2)
     cases = {
         "torch.add": lambda: torch.add(g1, g2),
-        "kernel, one term": lambda: norms._rms_backward_native(total, None, grad_sum, x, w, rstd, torch.bfloat16),
-        "kernel, two terms": lambda: norms._rms_backward_native(g1, g2, grad_sum, x, w, rstd, torch.bfloat16),
+        "kernel, one term": lambda: norms._rms_backward_native(total, (None, None), grad_sum, x, w, rstd,
+                                                                       torch.bfloat16),
+        "kernel, two terms": lambda: norms._rms_backward_native(g1, (g2, None), grad_sum, x, w, rstd,
+                                                                        torch.bfloat16),
     }
     times = {name: [] for name in cases}
     for _ in range(args.calls):

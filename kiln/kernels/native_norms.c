@@ -100,9 +100,9 @@ int kiln_rms_forward(const void *x, int x_dt, const void *res, int res_dt, const
     return 0;
 }
 
-/* a + b (two rows of dtype dt) in fp32, rounded once to dt: what aten.add gives for two tensors of one dtype */
+/* (a + b) + c (rows of dtype dt; c optional) into dst, each add as aten.add adds two tensors of one dtype: in fp32,
+ * rounded once to dt */
 static const float *load_sum(float *restrict dst, const void *a, const void *b, const void *c, int dt, int64_t n) {
-    /* (a + b) + c (c optional), each add as aten.add adds two tensors of dtype dt: in fp32, rounded to dt */
     if (dt == F32) {
         const float *x = (const float *)a, *y = (const float *)b, *z = (const float *)c;
 #pragma omp simd

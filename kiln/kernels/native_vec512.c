@@ -3,9 +3,9 @@
  *
  * gcc vectorizes exp_in_range from plain C, but the 2^n of its last step costs a conversion, an integer add, a
  * shift and a multiply per vector, and exp_approx's clamps (written so that NaN survives them) three more
- * instructions. Here 2^n is one vscalefps and the clamps are two min/max whose operand order keeps NaN: the
- * loops are bound by these instructions (the loss's exp pass, SwiGLU forward and backward), and the same pass
- * takes about 30 % less time on the EPYC (docs/kernels.md).
+ * instructions. Here 2^n is one vscalefps and the clamps are two min/max whose operand order keeps NaN. The
+ * loops (the loss's exp pass, SwiGLU forward and backward) take 3-12 % less time on the EPYC: the loads, the bf16
+ * rounding and SwiGLU's division stay (benchmarks/exp_loops.py; docs/kernels.md).
  *
  * Every value is the plain C's: the same reduction and polynomial with the same roundings (native.c compiles as
  * ISO C, so `x * log2e + 1.5 * 2^23` is a product and a sum, never contracted into one fma: two roundings here
