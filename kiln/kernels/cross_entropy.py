@@ -136,18 +136,27 @@ def _widened(x: Tensor, acc: Tensor | None) -> Tensor:
     return out
 
 
-class _Grads:
-    """grad_hidden (valid rows) and grad_weight, summed over blocks of d loss / d logits."""
+def _onednn(a: Tensor, w: Tensor) -> Tensor:
+    """a @ w.t() as oneDNN's inner product (w read as it is, a view or not)."""
+    return torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
 
-    def __init__(self, hv: Tensor, weight: Tensor, blocks: int, acc_weight: bool = False):
-        self.hv, self.weight, self.blocks = hv, weight, blocks
+
+class _Grads:
+    """grad_hidden (valid rows) and grad_weight, summed over blocks of d loss / d logits. `onednn`: grad_hidden's
+    products are oneDNN's inner products (`linear_cross_entropy_grads`)."""
+
+    def __init__(self, hv: Tensor, weight: Tensor, blocks: int, acc_weight: bool = False, onednn: bool = False):
+        self.hv, self.weight, self.blocks, self.onednn = hv, weight, blocks, onednn
         self.hidden = torch.empty_like(hv)
         self.w: Tensor | None = None
         self.acc_weight = acc_weight        # grad_weight returned in fp32 for half types (scaled later)
 
     def add(self, s: int, e: int, p: Tensor) -> None:
         pw = p if p.dtype == self.weight.dtype else p.to(self.weight.dtype)
-        torch.mm(pw, self.weight, out=self.hidden[s:e])
+        if self.onednn:
+            self.hidden[s:e] = _onednn(pw, self.weight.t())
+        else:
+            torch.mm(pw, self.weight, out=self.hidden[s:e])
         h = self.hv[s:e]
         if self.w is None:
             w = torch.mm(pw.t(), h)             # the first block initializes: no zero fill
@@ -274,6 +283,16 @@ def linear_cross_entropy_grads_op(hidden: Tensor, weight: Tensor, labels: Tensor
     impl = gpu_impl("linear_cross_entropy_grads", hidden)
     if impl is not None:
         return impl(hidden, weight, labels, ignore_index, reduction, chunk_size, bias)
+    return linear_cross_entropy_grads(hidden, weight, labels, ignore_index, reduction, chunk_size, bias)
+
+
+def linear_cross_entropy_grads(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, reduction: str,
+                               chunk_size: int, bias: Optional[Tensor] = None, onednn: bool = False
+                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`kiln::linear_cross_entropy_grads` on the CPU. `onednn`: the logits' and grad_hidden's products (two of
+    the three) are oneDNN's inner products instead of ATen's `mm` (MKL's in fp32, whose sums run in another
+    order): a choice for whoever measured both here (the `onednn` dialect); grad_weight's stays ATen's, which
+    oneDNN reads transposed."""
     _check(hidden, weight, labels, reduction)
     if reduction == "none":
         raise ValueError("linear_cross_entropy_grads needs a mean or a sum (one incoming gradient for all tokens)")
@@ -287,13 +306,13 @@ def linear_cross_entropy_grads_op(hidden: Tensor, weight: Tensor, labels: Tensor
     target = torch.empty(k, dtype=acc, device=hidden.device)
     step = chunk_rows(k, weight.shape[0], chunk_size, grads_budget(hidden.dtype))
     block = max(1, SOFTMAX_BLOCK // weight.shape[0])
-    grads = _Grads(hv, weight, blocks=-(-k // step), acc_weight=True)
+    grads = _Grads(hv, weight, blocks=-(-k // step), acc_weight=True, onednn=onednn)
     per_token = torch.empty(k, dtype=acc, device=hidden.device) if _native_softmax(hidden) else None
     gb = None if bias is None else torch.zeros(
         (native.threads() if per_token is not None else 1, weight.shape[0]), dtype=acc, device=hidden.device)
     for s in range(0, k, step):
         e = min(k, s + step)
-        z = torch.mm(hv[s:e], weight.t())                       # the chunk's logits, in hidden's dtype
+        z = _onednn(hv[s:e], weight) if onednn else torch.mm(hv[s:e], weight.t())  # the chunk's logits
         if per_token is not None:                               # one native pass per row, in place
             _softmax_minus_onehot_native(z, yv[s:e], per_token[s:e], lse[s:e], ignore_index, bias_acc, gb)
             grads.add(s, e, z)

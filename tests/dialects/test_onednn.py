@@ -175,21 +175,135 @@ def test_onednn_addmm_trains_a_conv1d_model_like_autocast(monkeypatch, tmp_path)
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["bias 2-D", "beta", "fp32", "3-D input"])
-def test_onednn_addmm_declines_what_it_does_not_compute(case):
-    from kiln.ir.graph import Node, TensorMeta, Value
-    cpu = torch.device("cpu")
+def _value(shape, dtype=torch.bfloat16, device="cpu"):
+    from kiln.ir.graph import TensorMeta, Value
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return Value("v", TensorMeta(tuple(shape), dtype, tuple(stride), torch.device(device)))
 
-    def value(shape, dtype=torch.bfloat16):
-        stride = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            stride[i] = stride[i + 1] * shape[i + 1]
-        return Value("v", TensorMeta(tuple(shape), dtype, tuple(stride), cpu))
-    dtype = torch.float32 if case == "fp32" else torch.bfloat16
-    bias = value((1, 8) if case == "bias 2-D" else (8,), dtype)
-    x = value((2, 4, 16) if case == "3-D input" else (4, 16), dtype)
+
+def _node(*args, **kwargs):
+    from kiln.ir.graph import Node
     node = Node.__new__(Node)
-    node.args, node.kwargs = (bias, x, value((16, 8), dtype)), ({"beta": 2} if case == "beta" else {})
-    assert not onednn._addmm_ok(node)
-    node.args, node.kwargs = (value((8,)), value((4, 16)), value((16, 8))), {}
-    assert onednn._addmm_ok(node) == _native_bf16()
+    node.args, node.kwargs = args, kwargs
+    return node
+
+
+@pytest.mark.parametrize("case", ["bias 2-D", "beta", "mixed dtypes", "3-D input"])
+def test_onednn_addmm_declines_what_it_does_not_compute(case):
+    bias = _value((1, 8) if case == "bias 2-D" else (8,), torch.float32 if case == "mixed dtypes" else torch.bfloat16)
+    x = _value((2, 4, 16) if case == "3-D input" else (4, 16))
+    assert not onednn._addmm_ok(_node(bias, x, _value((16, 8)), **({"beta": 2} if case == "beta" else {})))
+    assert onednn._addmm_ok(_node(_value((8,)), _value((4, 16)), _value((16, 8)))) == _native_bf16()
+    f32 = torch.float32     # fp32 is MKL's product in ATen, oneDNN's here: measured like linear
+    assert onednn._addmm_ok(_node(_value((8,), f32), _value((4, 16), f32), _value((16, 8), f32)))
+
+
+@pytest.mark.parametrize("case", ["3-D", "mixed dtypes", "fp64", "not cpu", "one operand"])
+def test_onednn_mm_declines_what_it_does_not_compute(case):
+    f32 = torch.float32
+    a = _value((2, 4, 16) if case == "3-D" else (4, 16), torch.float64 if case == "fp64" else f32,
+               "meta" if case == "not cpu" else "cpu")
+    b = _value((16, 8), torch.bfloat16 if case == "mixed dtypes" else a.meta.dtype)
+    assert not onednn._mm_ok(_node(a) if case == "one operand" else _node(a, b))
+    assert onednn._mm_ok(_node(_value((4, 16), f32), _value((16, 8), f32)))
+    assert not onednn._mm_ok(_node(_value((4, 16)), _value((16, 8))))     # bf16: ATen's is oneDNN's already
+
+
+def _matrix(rows, cols, transposed):
+    """An fp32 (rows, cols) matrix, row-major or a transposed view of a column-major one."""
+    return torch.randn(cols, rows).t() if transposed else torch.randn(rows, cols)
+
+
+@pytest.mark.parametrize("layout", ["NN", "NT", "TN", "TT"])
+@pytest.mark.parametrize("shape", [(64, 48, 40), (300, 512, 96), (1, 7, 5), (5, 7, 1), (0, 4, 3), (3, 0, 4), (3, 4, 0)])
+def test_onednn_mm_is_the_matrix_product(layout, shape):
+    m, k, n = shape
+    torch.manual_seed(0)
+    a, b = _matrix(m, k, layout[0] == "T"), _matrix(k, n, layout[1] == "T")
+    got, ref = onednn.onednn_mm(a, b), torch.mm(a.double(), b.double())
+    assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
+    # sums in another order than MKL's: rounding noise only (float64 products of N(0, 1) entries: |ref| ~ sqrt(k))
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6 * max(1.0, k))
+
+
+def test_onednn_mm_and_addmm_train_fp32_like_eager(monkeypatch, tmp_path):
+    """An fp32 step with oneDNN's products everywhere (the backward's mm, a Conv1D's addmm) trains as
+    torch.optim.AdamW on eager's gradients."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_KEEP", "all")
+    monkeypatch.setenv("KILN_TUNING", "ahead")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Conv1D(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 16, 32), torch.randint(0, 10, (4, 16))
+    loss_fn = lambda m, x, y: torch.nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())  # noqa: E731
+    step = kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-3), loss_fn=loss_fn, dialects=["onednn"])
+    for _ in range(3):
+        step(x, y)
+    labels = {(n.op.name, n.impl.label) for n in step.graph.nodes if n.op.name in ("aten.addmm", "aten.mm")}
+    assert labels == {("aten.addmm", "onednn:addmm"), ("aten.mm", "onednn:mm")}
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_loss_with_onednn_products_against_float64(bias, monkeypatch):
+    """kiln.linear_cross_entropy_grads with oneDNN's logits and grad_hidden products (the kernel's onednn=True,
+    several chunks, ignored labels, a decoder's bias): loss and gradients as float64's, and as the kernel's own
+    with ATen's products."""
+    import importlib
+    module = importlib.import_module("kiln.kernels.cross_entropy")    # (kiln.kernels.cross_entropy is a function)
+    calls = []
+    monkeypatch.setattr(module, "_onednn", lambda a, w, f=module._onednn: calls.append(a.shape) or f(a, w))
+    linear_cross_entropy_grads = module.linear_cross_entropy_grads
+    torch.manual_seed(3)
+    h, w = torch.randn(50, 24), torch.randn(70, 24) * 0.5
+    b = torch.randn(70) if bias else None
+    y = torch.randint(0, 70, (50,))
+    y[::4] = -100
+    got = linear_cross_entropy_grads(h, w, y, -100, "mean", 7, b, onednn=True)
+    assert len(calls) == 2 * 6                              # 37 counted rows in chunks of 7: both products each
+    assert torch.equal(got[1][::4], torch.zeros(13, 24))
+    hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+    bd = None if b is None else b.double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(hd, wd, bd), y, ignore_index=-100)
+    want.backward()
+    s = got[3].item()
+    torch.testing.assert_close(got[0].double(), want.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1].double() * s, hd.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2].double() * s, wd.grad, rtol=1e-5, atol=1e-6)
+    if bias:
+        torch.testing.assert_close(got[4].double() * s, bd.grad, rtol=1e-5, atol=1e-6)
+    for a, c in zip(got, torch.ops.kiln.linear_cross_entropy_grads(h, w, y, -100, "mean", 7, b)):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_loss_takes_onednn_products_in_an_fp32_step(monkeypatch, tmp_path):
+    """A Llama step's fused loss on oneDNN's products (measured: here KILN_KEEP=all takes it) trains as eager."""
+    from kiln.dialects import kiln_kernels
+    from tests.passes.test_fuse import _llama, _train_both
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_KEEP", "all")
+    monkeypatch.setattr(kiln_kernels, "LOGITS_BYTES_TO_FUSE", 0)
+    model, ids = _llama()
+    step = _train_both(model, ids, dialects=["onednn", "kiln"])
+    losses = [n.impl.label for n in step.graph.nodes if n.op.name == "kiln.linear_cross_entropy_grads"]
+    assert losses == ["onednn:linear_cross_entropy_grads"]
+
+
+def test_the_fused_loss_keeps_atens_products_in_half_types():
+    from kiln.ir.graph import Node
+    f32, bf16 = torch.float32, torch.bfloat16
+    node = Node.__new__(Node)
+    for (h, w), ok in [(((6, 4), (5, 4)), True), (((6, 0), (5, 0)), False), (((6, 4), (0, 4)), False)]:
+        node.args = (_value(h, f32), _value(w, f32), _value((6,), torch.int64), -100, "mean", 0)
+        assert onednn._loss_ok(node) == ok
+    node.args = (_value((6, 4), bf16), _value((5, 4), bf16), _value((6,), torch.int64), -100, "mean", 0)
+    assert not onednn._loss_ok(node)
