@@ -32,6 +32,7 @@ import torch
 
 from kiln.dialects.registry import dialect, kernel
 from kiln.ir.symbolic import hint, same
+from kiln.kernels._common import inner_product
 from kiln.kernels.cross_entropy import linear_cross_entropy_grads
 
 aten = torch.ops.aten
@@ -42,9 +43,7 @@ ONEDNN = dialect("onednn", priority=4, devices=("cpu",),
 
 
 def onednn_linear(x, w, b=None):
-    if x.shape[-1] == 0:                    # nothing to sum: oneDNN creates no primitive (ATen: the bias)
-        return aten.linear(x, w, b)
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return aten.linear(x, w, b) if x.shape[-1] == 0 else inner_product(x, w, b)     # (an empty sum: ATen's)
 
 
 def _linear_ok(n) -> bool:
@@ -72,8 +71,7 @@ def native_half(dtype) -> bool:
     if dtype not in (torch.bfloat16, torch.float16) or not cpu_has_native(dtype):
         return False
     try:
-        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype), None,
-                                           "none", [], "")
+        inner_product(torch.ones(2, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype))
     except (RuntimeError, NotImplementedError):         # no primitive here, or no oneDNN at all
         return False
     return True
@@ -84,9 +82,7 @@ kernel(ONEDNN, aten.linear.default, onednn_linear, checker=_linear_ok, name="lin
 
 def onednn_addmm(bias, x, w, *, beta=1, alpha=1):
     """aten.addmm(bias, x, w) for a bias of w's columns, beta = alpha = 1 (`_addmm_ok`): x @ w + bias."""
-    if x.shape[1] == 0:
-        return aten.addmm(bias, x, w)
-    return torch.ops.mkldnn._linear_pointwise(x, w.t(), bias, "none", [], "")
+    return aten.addmm(bias, x, w) if x.shape[1] == 0 else inner_product(x, w.t(), bias)
 
 
 def _addmm_ok(n) -> bool:
@@ -113,11 +109,8 @@ kernel(ONEDNN, aten.addmm.default, onednn_addmm, checker=_addmm_ok, name="addmm"
 
 
 def onednn_mm(a, b):
-    """aten.mm(a, b): oneDNN's inner product of a and b.t() (a view). With nothing to sum (a's columns 0) oneDNN
-    creates no primitive, and the product is ATen's zeros."""
-    if a.shape[1] == 0:
-        return aten.mm(a, b)
-    return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
+    """aten.mm(a, b): oneDNN's inner product of a and b.t() (a view); ATen's zeros for an empty sum."""
+    return aten.mm(a, b) if a.shape[1] == 0 else inner_product(a, b.t())
 
 
 def _mm_ok(n) -> bool:

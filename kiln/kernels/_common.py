@@ -35,6 +35,12 @@ def empty_like_absent(ref: torch.Tensor) -> torch.Tensor:
     return ref.new_empty((0,))
 
 
+def inner_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.t() (+ bias) as oneDNN's inner product on the CPU, w read as it is (a view or not). oneDNN creates no
+    primitive for an empty sum (x's last dimension 0): callers take ATen's op there."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
 def rows(t: torch.Tensor) -> torch.Tensor:
     """`t` as a contiguous (rows, last dim) matrix; copies only when the layout requires it."""
     return t.reshape(-1, t.shape[-1])

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kiln.kernels import native
-from kiln.kernels._common import acc_dtype, gpu_impl, rows
+from kiln.kernels._common import acc_dtype, gpu_impl, inner_product, rows
 from kiln.kernels.logit_loss import _out_of_range
 
 # Elements of one chunk of logits: 16M (64 MiB in fp32). Fewer rows than MIN_ROWS make the matmuls
@@ -136,11 +136,6 @@ def _widened(x: Tensor, acc: Tensor | None) -> Tensor:
     return out
 
 
-def _onednn(a: Tensor, w: Tensor) -> Tensor:
-    """a @ w.t() as oneDNN's inner product (w read as it is, a view or not)."""
-    return torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
-
-
 class _Grads:
     """grad_hidden (valid rows) and grad_weight, summed over blocks of d loss / d logits. `onednn`: grad_hidden's
     products are oneDNN's inner products (`linear_cross_entropy_grads`)."""
@@ -154,7 +149,7 @@ class _Grads:
     def add(self, s: int, e: int, p: Tensor) -> None:
         pw = p if p.dtype == self.weight.dtype else p.to(self.weight.dtype)
         if self.onednn:
-            self.hidden[s:e] = _onednn(pw, self.weight.t())
+            self.hidden[s:e] = inner_product(pw, self.weight.t())
         else:
             torch.mm(pw, self.weight, out=self.hidden[s:e])
         h = self.hv[s:e]
@@ -312,7 +307,7 @@ def linear_cross_entropy_grads(hidden: Tensor, weight: Tensor, labels: Tensor, i
         (native.threads() if per_token is not None else 1, weight.shape[0]), dtype=acc, device=hidden.device)
     for s in range(0, k, step):
         e = min(k, s + step)
-        z = _onednn(hv[s:e], weight) if onednn else torch.mm(hv[s:e], weight.t())  # the chunk's logits
+        z = inner_product(hv[s:e], weight) if onednn else torch.mm(hv[s:e], weight.t())  # the chunk's logits
         if per_token is not None:                               # one native pass per row, in place
             _softmax_minus_onehot_native(z, yv[s:e], per_token[s:e], lse[s:e], ignore_index, bias_acc, gb)
             grads.add(s, e, z)

@@ -261,7 +261,7 @@ def test_fused_loss_with_onednn_products_against_float64(bias, monkeypatch):
     import importlib
     module = importlib.import_module("kiln.kernels.cross_entropy")    # (kiln.kernels.cross_entropy is a function)
     calls = []
-    monkeypatch.setattr(module, "_onednn", lambda a, w, f=module._onednn: calls.append(a.shape) or f(a, w))
+    monkeypatch.setattr(module, "inner_product", lambda a, w, f=module.inner_product: calls.append(a.shape) or f(a, w))
     linear_cross_entropy_grads = module.linear_cross_entropy_grads
     torch.manual_seed(3)
     h, w = torch.randn(50, 24), torch.randn(70, 24) * 0.5
@@ -298,12 +298,16 @@ def test_the_fused_loss_takes_onednn_products_in_an_fp32_step(monkeypatch, tmp_p
     assert losses == ["onednn:linear_cross_entropy_grads"]
 
 
-def test_the_fused_loss_keeps_atens_products_in_half_types():
-    from kiln.ir.graph import Node
-    f32, bf16 = torch.float32, torch.bfloat16
-    node = Node.__new__(Node)
+def test_the_fused_loss_keeps_atens_products_in_half_types_and_for_empty_sums():
+    f32, bf16, labels = torch.float32, torch.bfloat16, _value((6,), torch.int64)
     for (h, w), ok in [(((6, 4), (5, 4)), True), (((6, 0), (5, 0)), False), (((6, 4), (0, 4)), False)]:
-        node.args = (_value(h, f32), _value(w, f32), _value((6,), torch.int64), -100, "mean", 0)
-        assert onednn._loss_ok(node) == ok
-    node.args = (_value((6, 4), bf16), _value((5, 4), bf16), _value((6,), torch.int64), -100, "mean", 0)
-    assert not onednn._loss_ok(node)
+        assert onednn._loss_ok(_node(_value(h, f32), _value(w, f32), labels, -100, "mean", 0)) == ok
+    assert not onednn._loss_ok(_node(_value((6, 4), bf16), _value((5, 4), bf16), labels, -100, "mean", 0))
+
+
+def test_an_empty_sum_takes_atens_op():
+    """oneDNN creates no primitive for x's last dimension 0: linear and addmm give ATen's result (the bias)."""
+    x, w, wt, b = torch.randn(3, 0), torch.randn(4, 0), torch.randn(0, 4), torch.randn(4)
+    assert torch.equal(onednn.onednn_linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    assert torch.equal(onednn.onednn_addmm(b, x, wt), torch.addmm(b, x, wt))
+    assert torch.equal(onednn.onednn_mm(x, wt), torch.zeros(3, 4))
