@@ -48,8 +48,9 @@ _CASTS = {"aten::_to_copy"}
 
 
 def category(name: str, ancestors: Iterable[str]) -> str:
-    """The category of an event's self time, from its name and its enclosing events' names (innermost first)."""
-    chain = [name, *ancestors]
+    """The category of an event's self time, from its name and its enclosing events' names (innermost first).
+    The profiled step's own event is no evidence (its name carries the mode's, e.g. `kiln-bf16-noattention`)."""
+    chain = [n for n in (name, *ancestors) if not is_step(n)]
     if any(n.startswith(_OPTIMIZER) for n in chain):
         return "optimizer"
     if any(a in n.lower() for n in chain for a in _ATTENTION):

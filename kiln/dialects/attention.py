@@ -9,7 +9,8 @@ order (the first kept wins):
 - forward, `math_forward`: the output and its log-sum-exp on matrix products and a native softmax pass
   (kiln/kernels/attention.py), in the flash kernel's layouts;
 - backward, `math_backward`: the gradients from the forward's log-sum-exp on matrix products and two native
-  row passes;
+  row passes (in bf16 on AVX-512 BF16, one native pass on its pair dot products; where Kiln's products run on
+  AMX tiles and no causal mask is there to skip, the head-group loop on them: docs/kernels.md);
 - backward, `flash_fp32`: the same flash backward on fp32 copies of half-type inputs, gradients rounded once
   (where the first loses: long sequences).
 Forward and backward are chosen apart: either forward's output and log-sum-exp feed either backward.

@@ -317,7 +317,8 @@ def _bucket(args, kwargs) -> tuple:
 
 
 # ---- the cache: one folder per machine, used only when private, code loaded only when its hash is known ----
-_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE", "CXX")
+_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE", "CXX",
+        "KILN_AMX")
 
 
 def cache_dir(kind: str) -> Path:
@@ -371,14 +372,27 @@ def machine() -> str:
     (Inductor's generated C++ hard-codes the vector width it picked: run under another ISA it reads garbage),
     the C++ compiler (path and version), the environment that configures ATen, oneDNN and Inductor
     (`TORCHINDUCTOR_*`), and the training's thread count (timings). Inductor's whole configuration is
-    also recorded per compiled kernel and compared before it is loaded (`load_artifact(..., facts)`)."""
+    also recorded per compiled kernel and compared before it is loaded (`load_artifact(..., facts)`). And the
+    sources of Kiln's kernels (kiln/kernels: the native loops and the Python around them): a choice measured
+    against other versions of them (an upgrade, an edited checkout) is measured again. Found when a kernel's
+    body changed under its name: Llama's attention backward kept the loser of a timing made before."""
     cap = torch.backends.cpu.get_cpu_capability()
     threads = background.training_threads()
     env = sorted((k, v) for k, v in os.environ.items()
                  if k in _ENV or (k.startswith("TORCHINDUCTOR_") and not k.endswith("_DIR")))
     cxx = compiler(os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++"))
-    facts = (platform.machine(), cap, _cpu_flags(), cxx, env, threads)
+    facts = (platform.machine(), cap, _cpu_flags(), cxx, env, threads, _kernel_sources())
     return f"{cap.lower()}-{threads}t-{hashlib.sha256(repr(facts).encode()).hexdigest()[:12]}"
+
+
+@functools.cache
+def _kernel_sources() -> str:
+    """A digest of kiln/kernels' sources: the native loops (what decides the native library) and the modules."""
+    from kiln.kernels import native_build
+    h = hashlib.sha256(native_build.source_digest([]).encode())
+    for path in sorted(native_build.HERE.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 @functools.cache

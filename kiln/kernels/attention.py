@@ -76,6 +76,7 @@ def _products(a: Tensor, b: Tensor, out: Tensor | None = None, kn: bool = False,
     queries c >= i only. Exact either way."""
     lib = _bf16_products() if a.dtype == torch.bfloat16 else None
     if lib is not None:
+        native.amx_tiles()          # on AMX tiles or the pair dot products, as KILN_AMX says now
         a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
         n = b.shape[2] if kn or at else b.shape[1]
         m = a.shape[2] if at else a.shape[1]
@@ -96,6 +97,15 @@ def _products(a: Tensor, b: Tensor, out: Tensor | None = None, kn: bool = False,
 
 def _bf16_products():
     return native.bf16_products() if native.enabled() else None
+
+
+def _skips_causal() -> bool:
+    """Whether the bf16 products with bf16 results (dQ, dK, dV) go to `_products` to skip a causal mask's zeros:
+    on the pair dot products, yes; on AMX tiles, ATen's bmm (oneDNN's, on the same tiles) is faster even
+    computing them all (B8 H8 T256 d64: dK's product 0.78 against 1.22 ms, docs/kernels.md)."""
+    return _bf16_products() is not None and not native.amx_tiles()
+
+
 
 
 def _native_mask(mask: Tensor | None, is_causal: bool) -> tuple:
@@ -147,7 +157,7 @@ def _forward_math(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, is_causal: 
         out, lse = _forward_bf16(fused, q, k, v, None if is_causal else mask, _causal(fused, mask, is_causal), scale,
                                  probs)
         return out, lse, probs
-    out = torch.empty(b, h, t, v.shape[-1], dtype=q.dtype)
+    out = torch.empty(b, t, h, v.shape[-1], dtype=q.dtype).transpose(1, 2)    # ATen's flash layout
     lse = torch.empty(b, h, t, dtype=torch.float32)
     # unnormalized probabilities exp(z - max) (the largest exactly 1), in bf16 where the products take bf16,
     # times v into fp32, scaled by 1 / sum per row and rounded once, as the flash kernel does (normalized
@@ -209,28 +219,34 @@ def _forward_bf16(lib, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_
 def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
                         dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Tensor | None = None,
                         scale: float | None = None, probs: Tensor | None = None,
-                        grads: tuple | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                        grads: tuple | None = None, one_pass: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """`probs`: what `forward_keeping_probs` kept, read by the one-pass bf16 backward where it has the layout
     `probs_shape` gives (else, an empty tensor among them, not read: the probabilities are computed again).
     `grads`: three tensors of q's, k's and v's shapes and dtypes (any layout with a dense last dimension) the
-    gradients are written into and returned as (the one-pass kernel writes them there; other paths copy)."""
+    gradients are written into and returned as (the one-pass kernel writes them there; other paths copy).
+    In bf16 on AVX-512 BF16 the one-pass kernel runs (at least as many heads as threads), except on a CPU whose
+    AMX tiles run `_products` when nothing causal can be skipped: there the head-group loop on the tiles'
+    products is the faster (`flash_backward_tiles`). `one_pass=False` runs the loop wherever it could."""
     rep = _kv_heads(q, k, v)
     if rep > 1:                     # per query head, then each key/value head's gradients summed over its queries'
         dq, dk, dv = flash_backward_math(grad_out, q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), out,
                                          logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale,
-                                         probs=probs)
+                                         probs=probs, one_pass=one_pass)
         summed = (dq, dk.unflatten(1, (k.shape[1], rep)).sum(2), dv.unflatten(1, (v.shape[1], rep)).sum(2))
         return _into(summed, grads)
     scale, mask, lib = _setup("flash_backward_math", q, k, dropout_p, is_causal, attn_mask, scale, v, grad_out,
                               out)
     t, s = q.shape[2], k.shape[2]
-    fused = _bf16_products() if lib is not None and s > 0 else None
+    fused = _bf16_products() if lib is not None and s > 0 and one_pass else None
     if fused is not None and q.dtype == k.dtype == v.dtype == grad_out.dtype == out.dtype == torch.bfloat16 and \
             q.shape[0] * q.shape[1] >= native.threads():
+        causal = _causal(fused, mask, is_causal)
         kept = probs is not None and probs.dtype == torch.bfloat16 and probs.is_contiguous() and \
             tuple(probs.shape) == probs_shape(q.shape, k.shape)
-        return _backward_bf16(fused, grad_out, q, k, v, out, logsumexp, None if is_causal else mask,
-                              _causal(fused, mask, is_causal), scale, probs if kept else None, grads)
+        # on AMX tiles, without a causal mask to skip, the head-group loop on the tiles' products is the faster
+        if causal or kept or not native.amx_tiles():
+            return _backward_bf16(fused, grad_out, q, k, v, out, logsumexp, None if is_causal else mask, causal,
+                                  scale, probs if kept else None, grads)
     dq = torch.empty(q.shape, dtype=q.dtype)            # dense: each head group's slice is written in place
     dk, dv = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
     lse = logsumexp.float()
@@ -261,12 +277,28 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
             torch.bmm(p.transpose(1, 2), gg, out=dv[sl])
             dp = _products(gg, vg, causal=is_causal)
             ds = (p.float() * (dp - delta.unsqueeze(-1)) * scale).to(q.dtype)
-        if is_causal and ds.dtype == torch.bfloat16 and _bf16_products() is not None:
+        if is_causal and ds.dtype == torch.bfloat16 and _skips_causal():
             _products(ds, kg, out=dq[sl], kn=True, causal=True)         # row i: keys j <= i only
         else:
             torch.bmm(ds, kg, out=dq[sl])
         _transposed_products(ds, qg, dk[sl], is_causal)
+    if grads is None and any(x.stride() != y.stride() for x, y in zip((q, k, v), (dq, dk, dv))):
+        grads = tuple(torch.empty_like(x) for x in (q, k, v))   # the inputs' layouts, as ATen's flash backward
     return _into((dq, dk, dv), grads)
+
+
+def flash_backward_tiles(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
+                         dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Tensor | None = None,
+                         scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The flash backward's contract as the head-group loop (on AMX tiles' products where `_products` runs on
+    them): the scores and dP as fp32 products of the bf16 inputs, the probabilities and score gradients by the
+    native row passes, the products with bf16 results ATen's (oneDNN's, on the same tiles). On the 2-core Xeon
+    of docs/kernels.md, B8 H8 T256 d64 without a mask, 10.0-12.7 ms against the flash kernel's 14.6-15.7 and the
+    one-pass kernel's 17.3-19.6 (whose pair dot products take about 4x the tiles' time); under a causal mask,
+    materialized or not, the one-pass kernel stays the faster there (9.7-11.5 against 12.2-15.6), so
+    `flash_backward_math` chooses between them by that."""
+    return flash_backward_math(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask,
+                               scale=scale, one_pass=False)
 
 
 def _into(computed: tuple, grads: tuple | None) -> tuple:
@@ -371,7 +403,7 @@ def _transposed_products(a: Tensor, b: Tensor, out: Tensor, is_causal: bool) -> 
     """out = a^T @ b for a head group's probabilities or score gradients a (g, t, s) and its queries' rows b (g,
     t, d): dV and dK. Under a causal mask a is 0 past the diagonal, so key i sums over queries c >= i only (the
     native bf16 kernel skips the rest; ATen's bmm of a transposed view computes it all)."""
-    if is_causal and a.dtype == torch.bfloat16 and _bf16_products() is not None:
+    if is_causal and a.dtype == torch.bfloat16 and _skips_causal():
         _products(a, b, out=out, at=True, causal=True)
     else:
         torch.bmm(a.transpose(1, 2), b, out=out)

@@ -79,6 +79,7 @@ _SIGNATURES = {
     "kiln_bf16_abt": [_ptr, _i64, _i64, _int, _ptr, _i64, _i64, _int, _int, _ptr, _int, _i64, _i64, _i64, _i64,
                       _int],
     "kiln_bf16_abt_built": [],
+    "kiln_amx_use": [_int],
     "kiln_attn_mask_is_causal": [_ptr, _i64s, _i64, _i64, _i64, _i64],
     "kiln_attn_forward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _int, _ptr, _i64s, _ptr, _ptr, _i64,
                                _i64, _i64, _i64, _i64, _i64, _dbl, _int],
@@ -155,7 +156,8 @@ def describe() -> str:
         return "unavailable (no C compiler or the build failed; see the log): ATen compositions"
     path = _loaded.get(isa, "?")
     how = "installed with the package" if Path(path).parent == native_build.HERE else "built on first use"
-    return f"{isa.lower()} build, {how}: {path} (KILN_NATIVE=0 turns them off)"
+    tiles = "; bf16 products on AMX tiles (KILN_AMX=0 turns them off)" if amx_tiles() else ""
+    return f"{isa.lower()} build, {how}: {path} (KILN_NATIVE=0 turns them off){tiles}"
 
 
 def _build(compiler: str, version: str, flags: list[str], folder: Path, isa: str) -> Path:
@@ -207,6 +209,27 @@ def bf16_products() -> Optional[ctypes.CDLL]:
     if lib is None or torch.backends.cpu.get_cpu_capability() != "AVX512" or not lib.kiln_bf16_abt_built():
         return None
     return lib if cpu_flag("avx512_bf16") else None
+
+
+def amx_tiles() -> bool:
+    """Whether `kiln_bf16_abt` runs on AMX tiles (native_amx.c): where the products run at all, the CPU has
+    AMX-BF16, oneDNN may use it (ONEDNN_MAX_CPU_ISA below AVX512_CORE_AMX asks for less: then not) and the OS
+    granted the process the tile state (asked once). KILN_AMX=0 turns them off: the pair dot products and the
+    one-pass attention kernels run, as on a CPU without AMX. About 4x the pair dot products' rate at
+    attention's sizes (docs/kernels.md)."""
+    lib = bf16_products()
+    if lib is None:
+        return False
+    wanted = cpu_flag("amx_bf16") and cpu_flag("amx_tile") and _onednn_amx_allowed() and \
+        os.environ.get("KILN_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
+    return bool(lib.kiln_amx_use(int(wanted)))
+
+
+def _onednn_amx_allowed() -> bool:
+    """ONEDNN_MAX_CPU_ISA, which caps oneDNN (ATen's bf16 products) below AMX, caps Kiln's products too, so
+    that an AMX machine can run the paths of a CPU without it (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    return not cap or cap == "ALL" or "AMX" in cap
 
 
 @functools.cache

@@ -22,7 +22,8 @@ HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "native.c"
 # native.c #includes these: all of them decide the library
 SOURCES = (SOURCE, *(HERE / f for f in ("native_loss.c", "native_attention.c", "native_sweeps.c", "native_embedding.c",
-                                         "native_lut.c", "native_norms.c", "native_vec512.c")))
+                                         "native_lut.c", "native_norms.c", "native_vec512.c",
+                                         "native_amx.c")))
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],

@@ -24,6 +24,9 @@ from kiln.bench.split import CATEGORIES, STEP_EVENT, category, profile_modes, pr
     ("kiln.region:region0_add_mul", [STEP_EVENT], "fused"),
     ("aten::add", [STEP_EVENT], "other"),
     (STEP_EVENT, [], "untraced"),
+    # a mode's name in its step's event is not a category (`kiln-bf16-noattention` holds "attention")
+    ("aten::add", [f"{STEP_EVENT}:kiln-bf16-noattention"], "other"),
+    (f"{STEP_EVENT}:kiln-bf16-noattention", [], "untraced"),
     # Kiln's dialect kernels and its commit, as a profiled step names them
     ("aten::bmm", ["kiln.kernel:aten._scaled_dot_product_flash_attention_for_cpu_backward.default "
                    "(attention:math_backward)", STEP_EVENT], "attention"),       # attention's own products

@@ -227,6 +227,27 @@ def test_the_cache_folder_is_created_private(tmp_path, monkeypatch):
     assert folder.parent.name == f"torch-{torch.__version__}" and folder.name == measure.machine()
 
 
+def test_the_machine_folder_changes_with_kilns_kernel_sources(tmp_path, monkeypatch):
+    """Timings made against other versions of Kiln's kernels (a native loop or the Python around it edited) are
+    not this version's: the folder's name changes with them, and with nothing else of theirs."""
+    import shutil
+
+    from kiln.kernels import native_build
+    before = measure.machine()
+    for path in [*native_build.SOURCES, *native_build.HERE.glob("*.py")]:
+        shutil.copy(path, tmp_path / path.name)
+    monkeypatch.setattr(native_build, "HERE", tmp_path)
+    monkeypatch.setattr(native_build, "SOURCES", tuple(tmp_path / p.name for p in native_build.SOURCES))
+    try:
+        for edited, changes in ((None, False), ("rope.py", True), ("native_amx.c", True)):
+            if edited:
+                (tmp_path / edited).write_text((tmp_path / edited).read_text() + "\n")
+            measure._kernel_sources.cache_clear()
+            assert (measure.machine() != before) == changes, edited
+    finally:
+        measure._kernel_sources.cache_clear()
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o770, "foreign"], ids=["world-writable", "group-writable", "foreign-owner"])
 def test_a_cache_others_can_write_is_not_used(tmp_path, monkeypatch, caplog, mode):
     root = tmp_path / "shared"

@@ -12,7 +12,7 @@ import torch
 from kiln.dialects.sdpa import flash_backward
 from kiln.dialects.upcast import upcast_kernel
 from kiln.kernels import attention, native
-from tests.kernels.test_attention_forward import EDGES, masks
+from tests.kernels.test_attention_forward import EDGES, _mode, masks
 
 aten = torch.ops.aten
 
@@ -70,12 +70,15 @@ def test_matches_float64_at_least_as_well_as_flash(dtype, mask_kind, native_on, 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", EDGES + [dict(t=300, s=300, d=64, dv=64)],
                          ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()))
-def test_bf16_backward_at_the_edges_of_its_tiles(shape, causal):
+@pytest.mark.parametrize("mode", ["bf16-products", "amx"])
+def test_bf16_backward_at_the_edges_of_its_tiles(shape, causal, mode, monkeypatch):
     """The one-pass bf16 backward (a head per thread; tiles of 8 queries, blocks of 32 for dK and dV, partial
-    ones; odd head dims; a value head dim of its own; causal with fewer queries than keys) against float64, as
-    close as ATen's flash backward where that runs (the same head dim), else within a few bf16 roundings."""
-    if native.bf16_products() is None:
-        pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
+    ones; odd head dims; a value head dim of its own; causal with fewer queries than keys) and, where Kiln's
+    products run on AMX tiles, the head-group loop on them (`flash_backward_tiles`: tiles of 32 rows, k in
+    steps of 32) against float64, as close as ATen's flash backward where that runs (the same head dim), else
+    within a few bf16 roundings."""
+    _mode(mode, monkeypatch)
+    backward = attention.flash_backward_tiles if mode == "amx" else attention.flash_backward_math
     torch.manual_seed(2)
     b, h, t, s, d, dv = 2, 3, shape["t"], shape["s"], shape["d"], shape["dv"]
     q, k, v = [(torch.randn(b, n, h, e) * c).bfloat16().transpose(1, 2) for n, e, c in ((t, d, 2), (s, d, 2), (s, dv, 1))]
@@ -85,7 +88,7 @@ def test_bf16_backward_at_the_edges_of_its_tiles(shape, causal):
             "bool": torch.zeros(b, h, t, s).masked_fill_(torch.rand(b, h, t, s) < 0.3, float("-inf")).bfloat16()}[kind]
     out, lse = attention.flash_forward_math(q, k, v, 0.0, causal, attn_mask=mask)
     g = torch.randn(out.shape).bfloat16()
-    got = attention.flash_backward_math(g, q, k, v, out, lse, 0.0, causal, attn_mask=mask)
+    got = backward(g, q, k, v, out, lse, 0.0, causal, attn_mask=mask)
     truth = _truth(g, q, k, v, causal, mask)
     flash = (aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal,
                                                                         attn_mask=mask) if d == dv else None)
@@ -145,6 +148,26 @@ def test_the_step_trains_like_eager_with_the_measured_backward(amp, monkeypatch)
     elif cpu_has_native(torch.bfloat16):
         assert labels == {"attention:math_backward", "attention:math_forward"}, labels
     assert os.environ["KILN_KEEP"] == "all"
+
+
+def test_the_step_trains_like_eager_with_the_tiles_backward(monkeypatch):
+    """Where Kiln's products run on AMX tiles: a bf16 BERT step (no causal mask) whose attention backward is
+    `math_backward` (kept whatever its time) runs the head-group loop on the tiles, not the one-pass kernel,
+    and trains as eager under autocast does."""
+    from tests.models.reference import sgd_like_eager
+    if not native.amx_tiles():
+        pytest.skip("Kiln's products do not run on AMX tiles here")
+    monkeypatch.setenv("KILN_KEEP", "all")
+    ran = {"loop": 0, "one-pass": 0}
+    loop, one_pass = attention._products, attention._backward_bf16
+    monkeypatch.setattr(attention, "_products", lambda *a, **k: ran.__setitem__("loop", ran["loop"] + 1) or loop(*a, **k))
+    monkeypatch.setattr(attention, "_backward_bf16",
+                        lambda *a, **k: ran.__setitem__("one-pass", ran["one-pass"] + 1) or one_pass(*a, **k))
+    step = sgd_like_eager("bert", "bf16", tuning="ahead")
+    labels = {n.impl.label for n in step.graph.nodes
+              if n.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+    assert labels == {"attention:math_backward"}, labels
+    assert ran["loop"] > 0 and ran["one-pass"] == 0, ran
 
 
 def test_bf16_backward_with_a_materialized_causal_mask_and_padding():

@@ -17,9 +17,13 @@ MODES = ["bf16-products", "native", "aten"]      # dpbf16 products + native pass
 def _mode(mode, monkeypatch):
     if mode != "aten" and native.library() is None:
         pytest.skip("no C compiler: the ATen elementwise ops run")
-    if mode == "bf16-products" and native.bf16_products() is None:
+    if mode in ("bf16-products", "amx") and native.bf16_products() is None:
         pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
     monkeypatch.setenv("KILN_NATIVE", "0" if mode == "aten" else "1")
+    # "bf16-products": the pair dot products (AMX's tiles off); "amx": AMX tiles' products, where the CPU has them
+    monkeypatch.setenv("KILN_AMX", "1" if mode == "amx" else "0")
+    if mode == "amx" and not native.amx_tiles():
+        pytest.skip("no AMX tiles here")
     if mode == "native":
         monkeypatch.setattr(attention, "_bf16_products", lambda: None)
 
@@ -202,15 +206,21 @@ def _bound(ad, bd, k):
     return k * torch.finfo(torch.float32).eps * torch.bmm(ad.abs(), bd.abs())
 
 
-@pytest.mark.parametrize("m,n,k", [(40, 40, 16), (37, 53, 64), (8, 32, 2), (9, 33, 7), (256, 64, 197), (1, 1, 1)])
+def _tiles(mode, monkeypatch):
+    """kiln_bf16_abt on the pair dot products ("bf16-products") or on AMX tiles ("amx", where there are)."""
+    _mode(mode, monkeypatch)
+    assert native.amx_tiles() == (mode == "amx")
+
+
+@pytest.mark.parametrize("mode", ["bf16-products", "amx"])
+@pytest.mark.parametrize("m,n,k", [(40, 40, 16), (37, 53, 64), (8, 32, 2), (9, 33, 7), (256, 64, 197), (1, 1, 1),
+                                   (70, 100, 96)])
 @pytest.mark.parametrize("layout", ["abt", "kn", "at"])
-def test_bf16_products_are_fp32_accurate(m, n, k, layout):
+def test_bf16_products_are_fp32_accurate(m, n, k, layout, mode, monkeypatch):
     """kiln_bf16_abt against float64, within the error bound of an fp32 dot product of length k (|error| at
-    most k eps |a| |b|; row and column tails, odd k, strided rows, either operand given either way round); a
-    bf16 `out` gets those fp32 sums rounded once."""
-    lib = native.bf16_products()
-    if lib is None:
-        pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
+    most k eps |a| |b|; row and column tails, odd k, strided rows, either operand given either way round, k over
+    several of AMX's steps of 32); a bf16 `out` gets those fp32 sums rounded once."""
+    _tiles(mode, monkeypatch)
     torch.manual_seed(0)
     a, b, ad, bd = _operands(layout, m, n, k)
     flags = dict(kn=layout == "kn", at=layout == "at")
@@ -224,17 +234,17 @@ def test_bf16_products_are_fp32_accurate(m, n, k, layout):
     assert attention._products(a, b, **flags)[0, 0].isnan().all()     # NaN stays NaN (no flush to a number)
 
 
-@pytest.mark.parametrize("m,n,k", [(40, 40, 16), (37, 53, 64), (9, 33, 7), (256, 256, 64), (70, 30, 5), (30, 20, 70)])
+@pytest.mark.parametrize("mode", ["bf16-products", "amx"])
+@pytest.mark.parametrize("m,n,k", [(40, 40, 16), (37, 53, 64), (9, 33, 7), (256, 256, 64), (70, 30, 5), (30, 20, 70),
+                                   (100, 64, 100)])
 @pytest.mark.parametrize("layout", ["abt", "kn", "at"])
-def test_causal_bf16_products_skip_only_what_the_mask_makes_irrelevant(m, n, k, layout):
+def test_causal_bf16_products_skip_only_what_the_mask_makes_irrelevant(m, n, k, layout, mode, monkeypatch):
     """With `causal` (query i sees keys j <= i): scores a @ b^T are fp32-accurate for j <= i and a finite
     number (0 where a tile was skipped) above the diagonal, whatever `out` held, since dS = P * (dP - delta)
     multiplies them by a probability of 0; probabilities (zero past the diagonal) times b (kn: dO's, rows over
     keys) and their transpose times b (at: dV = P^T dO, dK = dS^T q, each key's sum over the queries that see
     it) equal the whole product, in fp32 and rounded to bf16."""
-    lib = native.bf16_products()
-    if lib is None:
-        pytest.skip("no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
+    _tiles(mode, monkeypatch)
     torch.manual_seed(0)
     a, b, ad, bd = _operands(layout, m, n, k, causal=True)
     flags = dict(kn=layout == "kn", at=layout == "at")
