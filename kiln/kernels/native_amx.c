@@ -43,7 +43,8 @@ static const struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
-} amx_config __attribute__((aligned(64))) = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+} amx_config __attribute__((aligned(64))) = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64},
+                                              {16, 16, 16, 16, 16, 16, 16, 16}};
 
 __attribute__((target("amx-tile"))) static void amx_configure(void) { _tile_loadconfig(&amx_config); }
 

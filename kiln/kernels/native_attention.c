@@ -271,8 +271,8 @@ int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, int a_t, const 
                   int64_t b_rs, int b_kn, int causal, void *c, int c_bf16, int64_t g, int64_t m, int64_t n, int64_t k,
                   int threads) {
     if (k <= 0 || k > (1 << 20) || (a_t && !b_kn)) return 2;
-    if (amx_state > 0 && c_bf16 >= 0) return amx_abt(a, a_hs, a_rs, a_t, b, b_hs, b_rs, b_kn, causal, c, c_bf16, g, m, n, k,
-                                                     threads);
+    if (amx_state > 0 && c_bf16 >= 0)   /* AMX tiles (native_amx.c); c_bf16 < 0, summing into c, stays below */
+        return amx_abt(a, a_hs, a_rs, a_t, b, b_hs, b_rs, b_kn, causal, c, c_bf16, g, m, n, k, threads);
     /* k padded to pairs (a zero last element when odd); n to whole tiles of 32 columns */
     int64_t kp = (k + 1) / 2, np = (n + 31) / 32 * 32, tiles = (m + ABT_ROWS - 1) / ABT_ROWS;
     size_t esize = c_bf16 ? 2 : 4;

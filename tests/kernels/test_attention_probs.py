@@ -13,13 +13,6 @@ from tests.kernels.test_attention_forward import EDGES, _materialized_causal
 
 aten = torch.ops.aten
 EPS = torch.finfo(torch.bfloat16).eps
-@pytest.fixture(autouse=True)
-def _one_pass_kernels(monkeypatch):
-    """The probabilities are kept by the one-pass kernels, which a CPU with AMX tiles leaves for the head-group
-    loop on their products: these tests run them there too."""
-    monkeypatch.setenv("KILN_AMX", "0")
-
-
 needs_products = pytest.mark.skipif(native.bf16_products() is None,
                                     reason="no AVX-512 BF16 here (or ATen runs its AVX2 kernels)")
 
