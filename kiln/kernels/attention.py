@@ -76,7 +76,6 @@ def _products(a: Tensor, b: Tensor, out: Tensor | None = None, kn: bool = False,
     queries c >= i only. Exact either way."""
     lib = _bf16_products() if a.dtype == torch.bfloat16 else None
     if lib is not None:
-        native.amx_tiles()          # on AMX tiles or the pair dot products, as KILN_AMX says now
         a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
         n = b.shape[2] if kn or at else b.shape[1]
         m = a.shape[2] if at else a.shape[1]
@@ -84,7 +83,7 @@ def _products(a: Tensor, b: Tensor, out: Tensor | None = None, kn: bool = False,
         native.check(lib.kiln_bf16_abt(native.ptr(a), a.stride(0), a.stride(1), int(at), native.ptr(b), b.stride(0),
                                        b.stride(1), int(kn or at), int(causal), native.ptr(out),
                                        int(out.dtype == torch.bfloat16), a.shape[0], m, n, a.shape[1 if at else 2],
-                                       native.threads()), "bf16 products")
+                                       int(native.amx_tiles()), native.threads()), "bf16 products")
         return out
     if a.dtype != torch.float32:
         a, b = a.float(), b.float()
@@ -226,7 +225,10 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     gradients are written into and returned as (the one-pass kernel writes them there; other paths copy).
     In bf16 on AVX-512 BF16 the one-pass kernel runs (at least as many heads as threads), except on a CPU whose
     AMX tiles run `_products` when nothing causal can be skipped: there the head-group loop on the tiles'
-    products is the faster (`flash_backward_tiles`). `one_pass=False` runs the loop wherever it could."""
+    products is the faster (B8 H8 T256 d64 without a mask on the 2-core Xeon of docs/kernels.md: 10.0-12.7 ms
+    against the flash kernel's 14.6-15.7 and the one-pass kernel's 17.3-19.6; under a causal mask, materialized
+    or not, the one-pass kernel's 9.7-11.5 against the loop's 12.2-15.6). `one_pass=False` runs the loop
+    wherever it could."""
     rep = _kv_heads(q, k, v)
     if rep > 1:                     # per query head, then each key/value head's gradients summed over its queries'
         dq, dk, dv = flash_backward_math(grad_out, q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), out,
@@ -285,20 +287,6 @@ def flash_backward_math(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     if grads is None and any(x.stride() != y.stride() for x, y in zip((q, k, v), (dq, dk, dv))):
         grads = tuple(torch.empty_like(x) for x in (q, k, v))   # the inputs' layouts, as ATen's flash backward
     return _into((dq, dk, dv), grads)
-
-
-def flash_backward_tiles(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
-                         dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Tensor | None = None,
-                         scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The flash backward's contract as the head-group loop (on AMX tiles' products where `_products` runs on
-    them): the scores and dP as fp32 products of the bf16 inputs, the probabilities and score gradients by the
-    native row passes, the products with bf16 results ATen's (oneDNN's, on the same tiles). On the 2-core Xeon
-    of docs/kernels.md, B8 H8 T256 d64 without a mask, 10.0-12.7 ms against the flash kernel's 14.6-15.7 and the
-    one-pass kernel's 17.3-19.6 (whose pair dot products take about 4x the tiles' time); under a causal mask,
-    materialized or not, the one-pass kernel stays the faster there (9.7-11.5 against 12.2-15.6), so
-    `flash_backward_math` chooses between them by that."""
-    return flash_backward_math(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask,
-                               scale=scale, one_pass=False)
 
 
 def _into(computed: tuple, grads: tuple | None) -> tuple:

@@ -77,9 +77,9 @@ _SIGNATURES = {
     "kiln_attn_dscores": [_ptr, _int, _ptr, _ptr, _int, _i64, _i64, _i64, _dbl, _int],
     "kiln_attn_softmax": [_ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _int, _i64, _i64, _i64, _dbl, _int],
     "kiln_bf16_abt": [_ptr, _i64, _i64, _int, _ptr, _i64, _i64, _int, _int, _ptr, _int, _i64, _i64, _i64, _i64,
-                      _int],
+                      _int, _int],
     "kiln_bf16_abt_built": [],
-    "kiln_amx_use": [_int],
+    "kiln_amx_granted": [],
     "kiln_attn_mask_is_causal": [_ptr, _i64s, _i64, _i64, _i64, _i64],
     "kiln_attn_forward_bf16": [_ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _ptr, _i64s, _int, _ptr, _i64s, _ptr, _ptr, _i64,
                                _i64, _i64, _i64, _i64, _i64, _dbl, _int],
@@ -94,7 +94,12 @@ _SIGNATURES = {
 
 def enabled() -> bool:
     """False where KILN_NATIVE=0 asks for the ATen compositions."""
-    return os.environ.get("KILN_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on("KILN_NATIVE")
+
+
+def _switched_on(name: str) -> bool:
+    """An on/off environment switch, on unless set to 0, false, no or off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @functools.cache
@@ -220,9 +225,8 @@ def amx_tiles() -> bool:
     lib = bf16_products()
     if lib is None:
         return False
-    wanted = cpu_flag("amx_bf16") and cpu_flag("amx_tile") and _onednn_amx_allowed() and \
-        os.environ.get("KILN_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
-    return bool(lib.kiln_amx_use(int(wanted)))
+    return cpu_flag("amx_bf16") and cpu_flag("amx_tile") and _onednn_amx_allowed() and _switched_on("KILN_AMX") \
+        and bool(lib.kiln_amx_granted())
 
 
 def _onednn_amx_allowed() -> bool:

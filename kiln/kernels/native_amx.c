@@ -1,5 +1,5 @@
 /* kiln_bf16_abt on AMX tiles (#included by native_attention.c inside its AVX-512 BF16 block, before
- * kiln_bf16_abt, which hands its work here once kiln_amx_use(1) has succeeded).
+ * kiln_bf16_abt, which hands its work here when its caller asks for the tiles and the OS has granted them).
  *
  * The same products and the same contract as the pair dot products (exact bf16 products summed in fp32, written
  * as fp32 or rounded once to bf16), in another order of summation: AMX's tile dot product (tdpbf16ps) sums a
@@ -9,7 +9,7 @@
  * tile load is whole and the padding adds zeros; the four tiles go through a 32 x 32 fp32 buffer into c.
  *
  * Linux gives a process AMX's tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA);
- * kiln_amx_use(1) asks, and says whether the tiles may be used. The causal skips of kiln_bf16_abt apply in whole
+ * kiln_amx_granted() asks (once), and says whether the tiles may be used. The causal skips of kiln_bf16_abt apply in whole
  * steps of 32 k: the extra terms are products with the exact zeros the causal contract guarantees there. */
 #if defined(__linux__)
 #include <sys/syscall.h>
@@ -22,15 +22,10 @@ long syscall(long number, ...);     /* unistd.h declares it only outside strict 
 #define AMX_ROWS 32
 #define AMX_K 32                /* bf16 of k per tile step: 16 pairs */
 
-static int amx_state = 0;       /* 1: in use; 0: not asked or turned off; -1: refused by the OS */
+static int amx_state = 0;       /* 1: granted; -1: refused by the OS; 0: not asked yet */
 
-/* on = 1: ask for the tile state (once) and use the tiles if granted; on = 0: stop using them. Returns whether
- * kiln_bf16_abt now runs on AMX. */
-int kiln_amx_use(int on) {
-    if (!on) {
-        if (amx_state > 0) amx_state = 0;
-        return 0;
-    }
+/* whether this process may use AMX's tiles: asks the OS the first time */
+int kiln_amx_granted(void) {
     if (amx_state == 0)
         amx_state = AMX_ASK() ? 1 : -1;
     return amx_state > 0;

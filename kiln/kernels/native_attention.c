@@ -269,9 +269,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static void abt_pack_rows(c
 
 int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, int a_t, const uint16_t *b, int64_t b_hs,
                   int64_t b_rs, int b_kn, int causal, void *c, int c_bf16, int64_t g, int64_t m, int64_t n, int64_t k,
-                  int threads) {
+                  int amx, int threads) {
     if (k <= 0 || k > (1 << 20) || (a_t && !b_kn)) return 2;
-    if (amx_state > 0 && c_bf16 >= 0)   /* AMX tiles (native_amx.c); c_bf16 < 0, summing into c, stays below */
+    if (amx && amx_state > 0 && c_bf16 >= 0)   /* AMX (native_amx.c); c_bf16 < 0 (summing into c) stays below */
         return amx_abt(a, a_hs, a_rs, a_t, b, b_hs, b_rs, b_kn, causal, c, c_bf16, g, m, n, k, threads);
     /* k padded to pairs (a zero last element when odd); n to whole tiles of 32 columns */
     int64_t kp = (k + 1) / 2, np = (n + 31) / 32 * 32, tiles = (m + ABT_ROWS - 1) / ABT_ROWS;
@@ -529,16 +529,13 @@ int kiln_attn_backward_bf16(const uint16_t *g, const int64_t *gs, const uint16_t
 #else
 int kiln_bf16_abt_built(void) { return 0; }
 
-int kiln_amx_use(int on) {
-    (void)on;
-    return 0;
-}
+int kiln_amx_granted(void) { return 0; }
 
 int kiln_bf16_abt(const uint16_t *a, int64_t a_hs, int64_t a_rs, int a_t, const uint16_t *b, int64_t b_hs,
                   int64_t b_rs, int b_kn, int causal, void *c, int c_bf16, int64_t g, int64_t m, int64_t n, int64_t k,
-                  int threads) {
+                  int amx, int threads) {
     (void)a, (void)a_hs, (void)a_rs, (void)a_t, (void)b, (void)b_hs, (void)b_rs, (void)b_kn, (void)causal, (void)c,
-        (void)c_bf16, (void)g, (void)m, (void)n, (void)k, (void)threads;
+        (void)c_bf16, (void)g, (void)m, (void)n, (void)k, (void)amx, (void)threads;
     return 4;
 }
 

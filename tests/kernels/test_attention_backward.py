@@ -3,6 +3,7 @@
 from the truth than ATen's kernel (plus a rounding of the dtype), with the native loops and without."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -74,11 +75,11 @@ def test_matches_float64_at_least_as_well_as_flash(dtype, mask_kind, native_on, 
 def test_bf16_backward_at_the_edges_of_its_tiles(shape, causal, mode, monkeypatch):
     """The one-pass bf16 backward (a head per thread; tiles of 8 queries, blocks of 32 for dK and dV, partial
     ones; odd head dims; a value head dim of its own; causal with fewer queries than keys) and, where Kiln's
-    products run on AMX tiles, the head-group loop on them (`flash_backward_tiles`: tiles of 32 rows, k in
+    products run on AMX tiles, the head-group loop on them (`one_pass=False`: tiles of 32 rows, k in
     steps of 32) against float64, as close as ATen's flash backward where that runs (the same head dim), else
     within a few bf16 roundings."""
     _mode(mode, monkeypatch)
-    backward = attention.flash_backward_tiles if mode == "amx" else attention.flash_backward_math
+    backward = functools.partial(attention.flash_backward_math, one_pass=mode != "amx")
     torch.manual_seed(2)
     b, h, t, s, d, dv = 2, 3, shape["t"], shape["s"], shape["d"], shape["dv"]
     q, k, v = [(torch.randn(b, n, h, e) * c).bfloat16().transpose(1, 2) for n, e, c in ((t, d, 2), (s, d, 2), (s, dv, 1))]
