@@ -6,7 +6,10 @@ goes to one category, so nothing is counted twice and the categories add up to t
 
 - matmul: ATen's matrix products (`mm`, `addmm`, `bmm`, `baddbmm`, oneDNN linear and convolution), wherever
   they are called from outside attention: eager, torch.compile's extern kernels, Kiln's kernels (the fused
-  loss's three products count here, as the lm_head's do in the other modes);
+  loss's three products count here, as the lm_head's do in the other modes); and all of a low-precision
+  product that the `upcast` dialect computes on fp32 copies, the copies and the rounding included (they are
+  how that kernel multiplies, as oneDNN's reorders are inside a bf16 `aten::mm`; the profile of such a
+  kernel, `kiln.kernel:matmul:... (upcast:fp32)`, shows them apart);
 - attention: the attention ops (flash, efficient, math sdpa; Kiln's attention kernels) and everything they
   call, products included (ATen's flash kernels do their products inside, where the profiler cannot tell
   them apart, so Kiln's count here too);
@@ -45,6 +48,7 @@ _OPTIMIZER = ("Optimizer.", "aten::_fused_adam", "aten::_fused_sgd", "aten::_for
 _FUSED = ("kiln::", "kiln.region", "kiln.kernel", "CompiledFunction", "Torch-Compiled Region", "## Call CompiledFxGraph",
           "cpp_fused", "inductor")
 _CASTS = {"aten::_to_copy"}
+_UPCAST_PRODUCT = "kiln.kernel:matmul:"     # ... (upcast:fp32): a product on fp32 copies (kiln/dialects/upcast.py)
 
 
 def category(name: str, ancestors: Iterable[str]) -> str:
@@ -55,7 +59,7 @@ def category(name: str, ancestors: Iterable[str]) -> str:
         return "optimizer"
     if any(a in n.lower() for n in chain for a in _ATTENTION):
         return "attention"
-    if name in _MATMUL:
+    if name in _MATMUL or any(n.startswith(_UPCAST_PRODUCT) and "(upcast:" in n for n in chain):
         return "matmul"
     if is_step(name):
         return "untraced"

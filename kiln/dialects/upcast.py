@@ -9,10 +9,19 @@ of a native bf16 GEMM too (bf16 operands, fp32 accumulation, one rounding of the
 mixed-precision program keeps its numerics: values between ops, saved activations and gradients stay
 bf16/fp16 and only the products themselves are computed in fp32.
 
-The checker declines on CPUs that have the native instructions (then the ATen kernels are faster)
-and on other devices. Which outputs are rounded back follows the native op: its output dtypes on
-low-precision inputs are read once per dtype signature from a meta-tensor run (the flash-attention
-log-sum-exp, fp32 natively, stays fp32).
+On CPUs without the native instructions the dialect takes every such op. On CPUs that have them, its
+matrix products (`mm`, `bmm`, `linear`, `addmm`, convolutions, Kiln's fused GEMM ops and its fused loss) are `measured`
+instead: a native instruction does not make the native kernel faster everywhere. On an Intel Xeon that
+reports AVX-512 BF16 but no AMX (2 cores, oneDNN's `brg_matmul:avx512_core_bf16`), ATen's bf16 products
+took 1.7-1.9x the time of the same products on fp32 copies, casts included (2048 x 512 x 1408: 14.5
+against 8.1 ms), because `vdpbf16ps` retires no more products a cycle than fp32 FMAs there; on AMX or
+on an AMD EPYC Zen 4 the native kernel wins by 2-4x. Each product shape is timed once per machine
+against ATen's kernel (online during training, or ahead) and the faster kept, as for the other measured
+dialects. Attention stays with the `attention` dialect, which has its own fp32 candidate.
+
+Which outputs are rounded back follows the native op: its output dtypes on low-precision inputs are
+read once per dtype signature from a meta-tensor run (the flash-attention log-sum-exp, fp32 natively,
+stays fp32).
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ from torch.utils import _pytree as pytree
 
 from kiln.dialects.registry import dialect, kernel
 from kiln.dialects.sdpa import SAFE_KERNELS
-from kiln.ops.registry import Cast, all_ops
+from kiln.ops.registry import Cast, Kind, all_ops
 
 aten = torch.ops.aten
 LOW = (torch.bfloat16, torch.float16)
@@ -53,6 +62,12 @@ def _wanted(node) -> bool:
     return low is not None and _lacks_native(low)
 
 
+def _worth_measuring(node) -> bool:
+    """A low-precision product on a CPU that has (or may have) the native instructions."""
+    low = low_dtype_of(node)
+    return low is not None and not _lacks_native(low)
+
+
 def upcast_kernel(op):
     """`op` run on fp32 copies of its low-precision tensor inputs; outputs rounded to the dtypes the
     native op would return for the original inputs."""
@@ -78,9 +93,13 @@ def upcast_kernel(op):
     return run
 
 
-# Products whose fp32 copies (operands and result) would exceed this are computed in slices of rows,
-# so the copies stay small: a native bf16 matmul makes none, and the vocabulary projection (tokens x
-# vocab logits, and their gradient) would otherwise cost transient fp32 copies of the whole logits.
+# Products are computed in slices of SLICE_ROWS rows (or, for a long reduction, of that depth), so each
+# slice's fp32 copies are rounded or read while still in cache: on the Xeon of the module docstring a
+# (2048, 512) x (512, 512) product on fp32 copies took 3.5-3.6 ms in slices of 512 rows against 4.3-4.7
+# unsliced (fp32 inputs alone: 3.7-4.2), and the wider ones of Llama's MLP 0-5 % less. Slices also bound
+# the transient fp32 copies (SLICE_BYTES): a native bf16 matmul makes none, and the vocabulary projection
+# (tokens x vocab logits, and their gradient) would otherwise copy the whole logits.
+SLICE_ROWS = 512
 SLICE_BYTES = 16 * 2 ** 20
 
 
@@ -88,58 +107,61 @@ def _up(t):
     return t.float() if isinstance(t, torch.Tensor) and t.dtype in LOW else t
 
 
-def _row_slices(m: int, per_row_bytes: int):
-    rows = max(1, SLICE_BYTES // max(1, per_row_bytes))
+def _slices(m: int, per_row_bytes: int):
+    """[(start, end)] over m rows: SLICE_ROWS each, fewer where a slice's fp32 copies would pass SLICE_BYTES."""
+    rows = max(1, min(SLICE_ROWS, SLICE_BYTES // max(1, per_row_bytes)))
     return [(s, min(m, s + rows)) for s in range(0, m, rows)]
 
 
 def upcast_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b for 2-D a (M, K), b (K, N), one of them low precision: fp32 products rounded once. Big
-    products go in slices of rows of a, or, for a long reduction (a weight gradient g^T @ x), in
-    slices of K accumulated in fp32."""
+    """a @ b for 2-D a (M, K), b (K, N), one of them low precision: fp32 products rounded once, in slices of
+    rows of a, or, for a long reduction (a weight gradient g^T @ x), in slices of K accumulated in fp32."""
     low = a.dtype if a.dtype in LOW else b.dtype
     (m, k), n = a.shape, b.shape[1]
-    if 4 * m * (k + n) <= SLICE_BYTES:
-        return torch.mm(_up(a), _up(b)).to(low)
-    bf = _up(b)
     if m >= k:
+        parts = _slices(m, 4 * (k + n))
+        if len(parts) == 1:
+            return torch.mm(_up(a), _up(b)).to(low)
+        bf = _up(b)
         out = torch.empty(m, n, dtype=low, device=a.device)
-        for s, e in _row_slices(m, 4 * (k + n)):
+        for s, e in parts:
             out[s:e] = torch.mm(_up(a[s:e]), bf)
         return out
-    depth = max(1, SLICE_BYTES // (4 * m))
-    acc = torch.mm(_up(a[:, :depth]), bf[:depth])
-    for s in range(depth, k, depth):
-        acc.addmm_(_up(a[:, s:s + depth]), bf[s:s + depth])
+    parts = _slices(k, 4 * (m + n))
+    acc = torch.mm(_up(a[:, :parts[0][1]]), _up(b[:parts[0][1]]))
+    for s, e in parts[1:]:
+        acc.addmm_(_up(a[:, s:e]), _up(b[s:e]))
     return acc.to(low)
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear with fp32 products rounded once; big inputs go in slices of rows."""
+    """F.linear with fp32 products rounded once, in slices of rows."""
     low = next(t.dtype for t in (x, weight, bias) if isinstance(t, torch.Tensor) and t.dtype in LOW)
     k, n = x.shape[-1], weight.shape[0]
     rows = x.numel() // k if k else 0
-    if 4 * rows * (k + n) <= SLICE_BYTES:
+    parts = _slices(rows, 4 * (k + n))
+    if len(parts) <= 1:
         return torch.nn.functional.linear(_up(x), _up(weight), _up(bias)).to(low)
     x2 = x.reshape(rows, k)
     wf, bf = _up(weight), _up(bias)
     out = torch.empty(rows, n, dtype=low, device=x.device)
-    for s, e in _row_slices(rows, 4 * (k + n)):
+    for s, e in parts:
         out[s:e] = torch.nn.functional.linear(_up(x2[s:e]), wf, bf)
     return out.reshape(*x.shape[:-1], n)
 
 
 def upcast_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    """bias + a @ b (beta/alpha as aten.addmm); rows of a in slices when big."""
+    """bias + a @ b (beta/alpha as aten.addmm), in slices of rows of a."""
     if beta != 1 or alpha != 1:
         return _addmm_scaled(bias, a, b, beta=beta, alpha=alpha)
     low = next(t.dtype for t in (a, b, bias) if t.dtype in LOW)
     (m, k), n = a.shape, b.shape[1]
     bf, bb = _up(b), _up(bias)
-    if 4 * m * (k + n) <= SLICE_BYTES:
+    parts = _slices(m, 4 * (k + n))
+    if len(parts) == 1:
         return torch.addmm(bb, _up(a), bf).to(low)
     out = torch.empty(m, n, dtype=low, device=a.device)
-    for s, e in _row_slices(m, 4 * (k + n)):
+    for s, e in parts:
         out[s:e] = torch.addmm(bb if bb.dim() < 2 or bb.shape[0] == 1 else bb[s:e], _up(a[s:e]), bf)
     return out
 
@@ -149,10 +171,13 @@ SLICED = {aten.mm.default: upcast_mm, aten.linear.default: upcast_linear, aten.a
 
 
 def _register() -> None:
-    targets = [t for op in all_ops() if op.cast is Cast.LOWER for t in op.targets] + list(BACKWARD_KERNELS)
-    for target in dict.fromkeys(targets):
+    lower = [op for op in all_ops() if op.cast is Cast.LOWER]
+    products = {t for op in lower if op.kind is not Kind.ATTENTION for t in op.targets} | {aten.convolution_backward.default}
+    for target in dict.fromkeys([t for op in lower for t in op.targets] + list(BACKWARD_KERNELS)):
         fn = SLICED.get(target) or upcast_kernel(SAFE_KERNELS.get(target, target))
         kernel(UPCAST, target, fn, checker=_wanted, name="fp32")
+        if target in products:
+            kernel(UPCAST, target, fn, checker=_worth_measuring, name="fp32", measured=True)
 
 
 _register()

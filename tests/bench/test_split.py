@@ -35,6 +35,11 @@ from kiln.bench.split import CATEGORIES, STEP_EVENT, category, profile_modes, pr
     ("aten::mm", ["kiln::linear_cross_entropy_grads", "kiln.kernel:loss:kiln.linear_cross_entropy_grads "
                   "(kiln:linear_cross_entropy_grads)", STEP_EVENT], "matmul"),
     ("kiln.kernel:norm:kiln.rms_norm (kiln:rms_norm)", [STEP_EVENT], "fused"),
+    # a product on fp32 copies: the copies and the rounding are the product's (upcast dialect)
+    ("aten::copy_", ["aten::_to_copy", "kiln.kernel:matmul:aten.linear (upcast:fp32)", STEP_EVENT], "matmul"),
+    ("kiln.kernel:matmul:aten.mm (upcast:fp32)", [STEP_EVENT], "matmul"),
+    ("aten::copy_", ["aten::_to_copy", "kiln.kernel:matmul:kiln.swiglu_linear (kiln:swiglu_linear)", STEP_EVENT],
+     "fused"),                                                                     # another kernel's casts
     ("kiln.kernel:optimizer:commit", [STEP_EVENT], "optimizer"),
     ("kiln.kernel:optimizer:kiln.adamw_update_multi (aten:fused)", [STEP_EVENT], "optimizer"),
 ])

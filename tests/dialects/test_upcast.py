@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 import kiln
-from kiln.dialects import upcast
+from kiln.dialects import measure, upcast
+from kiln.ops.registry import Kind
 
 aten = torch.ops.aten
 
@@ -81,12 +82,7 @@ def _compile(model, lacks_native, monkeypatch, **kw):
     return kiln.compile(model, optimizer=kiln.optim.AdamW(lr=1e-2), **kw)
 
 
-@pytest.mark.parametrize("lacks_native", [True, False])
-def test_chosen_only_for_low_precision_on_cpus_without_native_matmul(lacks_native, monkeypatch):
-    torch.manual_seed(0)
-    model, x, y = MLP(), torch.randn(8, 32), torch.randint(0, 10, (8,))
-    ref = copy.deepcopy(model)
-    step = _compile(model, lacks_native, monkeypatch, amp="bf16")
+def _train_like_autocast(step, model, ref, x, y):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for _ in range(5):
         got = step(x, y)
@@ -95,10 +91,47 @@ def test_chosen_only_for_low_precision_on_cpus_without_native_matmul(lacks_nativ
             want = ref(x, y)
         want.backward()
         opt.step()
-    assert ("upcast_" in step.source()) is lacks_native
     assert abs(got.item() - want.item()) <= 0.02 * abs(want.item())
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, r, rtol=0.05, atol=2e-3)
+
+
+def test_taken_for_every_low_precision_product_on_cpus_without_native_matmul(monkeypatch):
+    monkeypatch.setattr(measure, "medians", lambda *a, **k: pytest.fail("nothing is measured: fp32 copies are faster"))
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(8, 32), torch.randint(0, 10, (8,))
+    ref = copy.deepcopy(model)
+    step = _compile(model, True, monkeypatch, amp="bf16")
+    _train_like_autocast(step, model, ref, x, y)
+    products = [n for n in step.graph.nodes if n.op.kind is Kind.MATMUL]
+    assert products and all(n.impl.label == "upcast:fp32" for n in products)
+
+
+@pytest.mark.parametrize("faster", [True, False], ids=["measured-faster", "measured-slower"])
+def test_measured_on_cpus_with_native_matmul(faster, monkeypatch, tmp_path, kiln_log):
+    """A native instruction does not make the native kernel the faster one (a Xeon with AVX-512 BF16 and no
+    AMX): there each product shape is timed against ATen's, and fp32 copies are used where they win."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KILN_TUNING", "ahead")
+    timed = []
+    monkeypatch.setattr(measure, "medians", lambda fns, runs=5: timed.append(sorted(fns)) or
+                        {"new_ms": 1.0 if faster else 3.0, "aten_ms": 2.0})
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(8, 32), torch.randint(0, 10, (8,))
+    ref = copy.deepcopy(model)
+    with kiln.dialects("upcast", "kiln"):
+        step = _compile(model, False, monkeypatch, amp="bf16")
+        _train_like_autocast(step, model, ref, x, y)
+    products = [n for n in step.graph.nodes if n.op.kind is Kind.MATMUL]
+    assert products and timed                      # the products were timed (and only they: bf16 is theirs)
+    assert {n.impl.label for n in products} == ({"upcast:fp32"} if faster else {"aten"})
+    assert any("upcast:fp32" in r.getMessage() and ("used" if faster else "ATen kept") in r.getMessage()
+               for r in kiln_log.records)
+    fp32 = _compile(MLP(), False, monkeypatch)     # fp32 products are not low precision: nothing to time
+    timed.clear()
+    with kiln.dialects("upcast", "kiln"):
+        fp32(x, y)
+    assert not timed and "upcast_" not in fp32.source()
 
 
 def test_never_chosen_for_fp32_or_when_disabled(monkeypatch):
@@ -114,9 +147,13 @@ def test_never_chosen_for_fp32_or_when_disabled(monkeypatch):
 
 @pytest.mark.parametrize("m, k, n", [(96, 40, 24), (40, 96, 24), (33, 7, 5), (7, 33, 5)],
                          ids=["rows", "reduction", "rows-uneven", "reduction-uneven"])
-def test_large_products_are_sliced_with_the_same_result(m, k, n, monkeypatch):
+@pytest.mark.parametrize("limit", ["bytes", "rows"])
+def test_large_products_are_sliced_with_the_same_result(m, k, n, limit, monkeypatch):
     """Slices of rows are independent products; slices of the reduction accumulate in fp32."""
-    monkeypatch.setattr(upcast, "SLICE_BYTES", 4 * 3 * min(m, k))       # force a few slices
+    if limit == "bytes":
+        monkeypatch.setattr(upcast, "SLICE_BYTES", 4 * 3 * min(m, k))       # force a few slices
+    else:
+        monkeypatch.setattr(upcast, "SLICE_ROWS", 3)
     torch.manual_seed(0)
     a, b = _r(m, k, dtype=torch.bfloat16), _r(k, n, dtype=torch.bfloat16)
     got, want = upcast.upcast_mm(a, b), aten.mm.default(a, b)
