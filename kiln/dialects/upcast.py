@@ -10,8 +10,8 @@ mixed-precision program keeps its numerics: values between ops, saved activation
 bf16/fp16 and only the products themselves are computed in fp32.
 
 On CPUs without the native instructions the dialect takes every such op. On CPUs that have them, its
-matrix products (`mm`, `bmm`, `linear`, `addmm`, convolutions, Kiln's fused GEMM ops and its fused loss) are `measured`
-instead: a native instruction does not make the native kernel faster everywhere. On an Intel Xeon that
+matrix products (`mm`, `bmm`, `linear`, `addmm`, convolutions, Kiln's fused GEMM ops and its fused loss)
+are `measured` instead: a native instruction does not make the native kernel faster everywhere. On an Intel Xeon that
 reports AVX-512 BF16 but no AMX (2 cores, oneDNN's `brg_matmul:avx512_core_bf16`), ATen's bf16 products
 took 1.7-1.9x the time of the same products on fp32 copies, casts included (2048 x 512 x 1408: 14.5
 against 8.1 ms), because `vdpbf16ps` retires no more products a cycle than fp32 FMAs there; on AMX or
@@ -172,7 +172,8 @@ SLICED = {aten.mm.default: upcast_mm, aten.linear.default: upcast_linear, aten.a
 
 def _register() -> None:
     lower = [op for op in all_ops() if op.cast is Cast.LOWER]
-    products = {t for op in lower if op.kind is not Kind.ATTENTION for t in op.targets} | {aten.convolution_backward.default}
+    products = {t for op in lower if op.kind is not Kind.ATTENTION for t in op.targets}
+    products.add(aten.convolution_backward.default)
     for target in dict.fromkeys([t for op in lower for t in op.targets] + list(BACKWARD_KERNELS)):
         fn = SLICED.get(target) or upcast_kernel(SAFE_KERNELS.get(target, target))
         kernel(UPCAST, target, fn, checker=_wanted, name="fp32")
