@@ -14,8 +14,8 @@ matrix products (`mm`, `bmm`, `linear`, `addmm`, convolutions, Kiln's fused GEMM
 are `measured` instead: a native instruction does not make the native kernel faster everywhere. On an Intel Xeon that
 reports AVX-512 BF16 but no AMX (2 cores, oneDNN's `brg_matmul:avx512_core_bf16`), ATen's bf16 products
 took 1.7-1.9x the time of the same products on fp32 copies, casts included (2048 x 512 x 1408: 14.5
-against 8.1 ms), because `vdpbf16ps` retires no more products a cycle than fp32 FMAs there; on AMX or
-on an AMD EPYC Zen 4 the native kernel wins by 2-4x. Each product shape is timed once per machine
+against 8.1 ms): the flags say the instructions are there, the timing says they do not pay. On AMX or on
+an AMD EPYC Zen 4 the native kernel wins by 2-4x. Each product shape is timed once per machine
 against ATen's kernel (online during training, or ahead) and the faster kept, as for the other measured
 dialects. Attention stays with the `attention` dialect, which has its own fp32 candidate.
 
